@@ -1,0 +1,78 @@
+"""fshard: JAX-style functional sharding on PyTorch.
+
+Write a per-shard function over plain tensors, annotate inputs and outputs with
+einops-style partition specs, and wrap it in :func:`shard_map`::
+
+    import fshard as fs
+
+    mesh = fs.Mesh(dp=2, tp=2)
+
+    @fs.shard_map(mesh=mesh, in_specs=("(dp b) (tp k)", "(tp k) n"), out_specs="(dp b) n")
+    def matmul(x, w):
+        return fs.psum(x @ w, "tp")
+"""
+
+from ._autodiff import grad, value_and_grad
+from ._collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pbroadcast,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+    pvary,
+)
+from ._comm import CollectiveCounts, count_collectives
+from ._errors import CollectiveError, FshardError, MeshError, RankError, SpecError
+from ._launch import RankPool, init, launch
+from ._mesh import Mesh
+from ._shard_map import shard_map
+from ._sharded import Sharded, from_dtensor, shard
+from ._spec import Spec, parse_spec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # mesh and specs
+    "Mesh",
+    "Spec",
+    "parse_spec",
+    # the transform and global values
+    "shard_map",
+    "Sharded",
+    "shard",
+    "from_dtensor",
+    # collectives
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "pbroadcast",
+    "pvary",
+    "axis_index",
+    "axis_size",
+    # autodiff
+    "grad",
+    "value_and_grad",
+    "count_collectives",
+    "CollectiveCounts",
+    # launching
+    "init",
+    "launch",
+    "RankPool",
+    # errors
+    "FshardError",
+    "SpecError",
+    "MeshError",
+    "CollectiveError",
+    "RankError",
+]

@@ -1,0 +1,101 @@
+"""Functional gradients over pytrees of tensors and :class:`Sharded` values."""
+
+from __future__ import annotations
+
+import functools
+
+import optree
+import torch
+
+from ._errors import FshardError
+from ._sharded import Sharded
+
+__all__ = ["value_and_grad", "grad"]
+
+
+def _prepare(tree):
+    leaves, treedef = optree.tree_flatten(tree)
+    prim, new = [], []
+    for x in leaves:
+        if isinstance(x, Sharded):
+            t = x.local.detach().requires_grad_(True)
+            prim.append(t)
+            new.append(Sharded(t, x.mesh, x.layout))
+        elif isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+            t = x.detach().requires_grad_(True)
+            prim.append(t)
+            new.append(t)
+        else:
+            prim.append(None)
+            new.append(x)
+    return leaves, treedef, prim, optree.tree_unflatten(treedef, new)
+
+
+def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False):
+    """Make a function that returns ``f``'s value and its gradient w.r.t. ``args[argnums]``.
+
+    Works on plain tensors inside a ``shard_map``'d function (a whole training step inside
+    shard_map) and on global values outside it (differentiating a ``shard_map``'d function).
+    Gradients have the structure of the differentiated argument; a :class:`Sharded` leaf gets
+    a Sharded gradient in its own layout, a plain tensor its full gradient. ``f`` must
+    return a scalar tensor (or ``(scalar, aux)`` with ``has_aux=True``).
+
+    Example:
+        >>> loss_and_grads = fs.value_and_grad(loss_fn)
+        >>> loss, grads = loss_and_grads(params, batch)
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    @functools.wraps(f)
+    def wrapped(*args):
+        args = list(args)
+        preps = {}
+        for i in nums:
+            if i >= len(args):
+                raise FshardError(f"value_and_grad: argnums={argnums} but only {len(args)} arguments were given")
+            preps[i] = _prepare(args[i])
+            args[i] = preps[i][3]
+        with torch.enable_grad():
+            out = f(*args)
+        value, aux = out if has_aux else (out, None)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise FshardError(
+                f"value_and_grad: f must return a scalar tensor, got "
+                f"{type(value).__name__}{'' if not isinstance(value, torch.Tensor) else tuple(value.shape)}"
+            )
+        prims = [t for i in nums for t in preps[i][2] if t is not None]
+        grads = iter(torch.autograd.grad(value, prims, allow_unused=True) if prims else ())
+        results = []
+        for i in nums:
+            leaves, treedef, prim, _ = preps[i]
+            out_leaves = []
+            for x, t in zip(leaves, prim):
+                if t is None:
+                    out_leaves.append(None)
+                    continue
+                g = next(grads)
+                if g is None:
+                    g = torch.zeros_like(t)
+                out_leaves.append(Sharded(g, x.mesh, x.layout) if isinstance(x, Sharded) else g)
+            results.append(optree.tree_unflatten(treedef, out_leaves))
+        g_out = results[0] if isinstance(argnums, int) else tuple(results)
+        value = value.detach()
+        return ((value, aux), g_out) if has_aux else (value, g_out)
+
+    return wrapped
+
+
+def grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False):
+    """Like :func:`value_and_grad`, returning only the gradient (and aux with ``has_aux``).
+
+    Example:
+        >>> grads = fs.grad(loss_fn)(params, batch)
+    """
+    vg = value_and_grad(f, argnums, has_aux=has_aux)
+
+    @functools.wraps(f)
+    def wrapped(*args):
+        out, g = vg(*args)
+        return (g, out[1]) if has_aux else g
+
+    return wrapped

@@ -1,0 +1,38 @@
+"""The exception hierarchy: one root, a subclass per kind of mistake users catch."""
+
+from __future__ import annotations
+
+__all__ = ["FshardError", "SpecError", "MeshError", "CollectiveError", "RankError"]
+
+
+class FshardError(RuntimeError):
+    """Root of every error fshard raises on purpose."""
+
+
+class SpecError(FshardError, ValueError):
+    """A partition spec is malformed or does not fit the value or the mesh it is used with."""
+
+
+class MeshError(FshardError):
+    """A mesh cannot be built, or does not fit the process group it lives on."""
+
+
+class CollectiveError(FshardError):
+    """A collective was called where it cannot run (outside shard_map, unknown axis, bad arguments)."""
+
+
+class RankError(FshardError):
+    """A rank launched by fshard failed; carries the rank and its traceback.
+
+    Attributes:
+        rank: the rank that failed first.
+        remote_traceback: the formatted traceback from that rank.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.rank, self.remote_traceback))

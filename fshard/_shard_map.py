@@ -1,0 +1,374 @@
+"""``shard_map``: run a per-shard function on local blocks and stitch the outputs.
+
+Sections: API; planning (cached per input signature); error checking and messages;
+eager evaluation. Planning is pure bookkeeping done once per (treedef, shapes, dtypes,
+layouts); a call then costs a dict lookup, local slicing, ``f`` itself and exactly the
+collectives the output specs imply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import optree
+import torch
+
+from . import _vma
+from ._collectives import AllReduce, LocalSlice, ReduceScatter
+from ._errors import SpecError
+from ._layout import Layout, bind, divisibility_problems
+from ._mesh import Mesh
+from ._sharded import Sharded, relayout
+from ._spec import Spec
+
+__all__ = ["shard_map"]
+
+_Tensor = torch.Tensor
+
+
+# == API ==================================================================================
+
+
+def shard_map(f=None, /, *, mesh: Mesh, in_specs, out_specs, check: bool = True):
+    """Run ``f`` once per rank on the local blocks of its inputs, as one global function.
+
+    Args:
+        f: the per-shard function. It receives plain local ``torch.Tensor`` blocks (non-tensor
+            leaves pass through) and may call the named-axis collectives (``fs.psum``, ...).
+            Omit it to use ``shard_map`` as a decorator.
+        mesh: the :class:`Mesh`.
+        in_specs: a pytree prefix of the positional arguments: one spec per argument,
+            or one spec for a whole subtree (a dict of parameters). A spec is einops-style
+            text such as ``"(dp b) s (tp d)"``; ``"..."`` means replicated.
+        out_specs: a pytree prefix of ``f``'s output. A spec may end in ``| sum(axes)`` to
+            mark an unreduced partial sum, reduced on the way out (an all-reduce, or a
+            reduce-scatter when the summed axis also splits a dim).
+        check: check that each output is invariant over every mesh axis its out_spec
+            does not mention (before any communication, identically on every rank).
+
+    Returns:
+        The global function. A plain tensor argument is the global value (the same on
+        every rank) and is sliced locally; a :class:`Sharded` argument is used as is, or
+        re-laid-out if its layout differs. Outputs whose spec splits a dim are
+        :class:`Sharded`; others are plain tensors, the same on every rank.
+
+    Raises:
+        SpecError: for bad specs, shapes or pytrees, naming each argument's key path.
+
+    Example:
+        >>> mesh = fs.Mesh(dp=2, tp=2)
+        >>> @fs.shard_map(mesh=mesh, in_specs=("(dp b) (tp k)", "(tp k) n"), out_specs="(dp b) n")
+        ... def matmul(x, w):
+        ...     return fs.psum(x @ w, "tp")
+        >>> y = matmul(torch.randn(8, 6), torch.randn(6, 5))   # Sharded, global shape (8, 5)
+    """
+    if f is None:
+        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check=check)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"fs.shard_map: mesh must be an fs.Mesh, got {type(mesh).__name__}")
+    return _ShardMapped(f, mesh, in_specs, out_specs, check)
+
+
+class _InPlan:
+    """How to turn one input leaf into its local block."""
+
+    __slots__ = ("kind", "layout", "bits", "slices", "groups")
+
+    def __init__(self, kind, layout=None, bits=0, slices=(), groups=()):
+        self.kind = kind  # "pass" | "global" | "sharded" | "reshard"
+        self.layout = layout
+        self.bits = bits
+        self.slices = slices  # ((dim, start, length), ...)
+        self.groups = groups  # ((dim, AxisGroup), ...) for differentiable slicing
+
+
+class _OutPlan:
+    __slots__ = ("kind", "layout", "allowed", "reduce", "scatter", "path", "spec")
+
+    def __init__(self, kind, layout=None, allowed=0, reduce=None, scatter=(), path="", spec=""):
+        self.kind = kind  # "pass" | "plain" | "sharded"
+        self.layout = layout
+        self.allowed = allowed  # vma bits the value may vary over
+        self.reduce = reduce  # AxisGroup for an all-reduce of partial axes, or None
+        self.scatter = scatter  # ((dim, AxisGroup), ...) reduce-scatters
+        self.path = path
+        self.spec = spec
+
+
+class _ShardMapped:
+    def __init__(self, f, mesh, in_specs, out_specs, check):
+        functools.update_wrapper(self, f, updated=())
+        self.f = f
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.check = check
+        self.name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
+        self._in_plans: dict = {}
+        self._out_plans: dict = {}
+        self._tracked = bool(mesh._bits)  # any axis of size > 1: varying-axes tracking on
+
+    def __repr__(self) -> str:
+        return f"shard_map({self.name}, mesh={self.mesh!r})"
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"fs.shard_map({self.name}) takes positional arguments only (in_specs matches them "
+                f"by position); got keyword arguments {sorted(kwargs)}"
+            )
+        leaves, treedef = optree.tree_flatten(args)
+        key = (treedef, tuple(_leaf_key(x) for x in leaves))
+        plans = self._in_plans.get(key)
+        if plans is None:
+            plans = self._plan_inputs(args, leaves, treedef)
+            self._in_plans[key] = plans
+        mesh = self.mesh
+        tr = _vma.Trace(mesh, self.name)
+        local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
+        local_args = optree.tree_unflatten(treedef, local)
+        _vma._stack.append(tr)
+        try:
+            mode = _vma.VmaMode(tr) if self._tracked else contextlib.nullcontext()
+            with mode:
+                out = self.f(*local_args)
+        finally:
+            _vma._stack.pop()
+            tr.pvary_cache.clear()
+        out_leaves, out_treedef = optree.tree_flatten(out)
+        okey = (out_treedef, tuple(_leaf_key(x) for x in out_leaves))
+        oplans = self._out_plans.get(okey)
+        if oplans is None:
+            oplans = self._plan_outputs(out, out_leaves, out_treedef)
+            self._out_plans[okey] = oplans
+        if self.check and self._tracked:
+            self._check_outputs(out_leaves, oplans, tr)
+        return optree.tree_unflatten(out_treedef, [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)])
+
+    # == planning ===========================================================================
+
+    def _plan_inputs(self, args, leaves, treedef):
+        mesh = self.mesh
+        specs, paths = _broadcast_specs(self.in_specs, args, "in_specs", self.name, "args")
+        problems: list[str] = []
+        plans = []
+        label_sizes: dict[str, tuple[int, str]] = {}
+        for x, spec, path in zip(leaves, specs, paths):
+            if not isinstance(x, (_Tensor, Sharded)):
+                plans.append(_InPlan("pass"))
+                continue
+            shape = tuple(x.shape)
+            try:
+                layout, probs = _bind(spec, mesh, len(shape))
+            except SpecError as e:
+                problems.append(f"{path}: {_indent(str(e))}")
+                plans.append(None)
+                continue
+            if layout is None:
+                problems += [f"{path} (shape {shape}) with spec {str(spec)!r}: {p}" for p in probs]
+                plans.append(None)
+                continue
+            if layout.partial:
+                problems.append(
+                    f"{path} with spec {str(spec)!r}: a partial-sum spec (| sum(...)) is only valid in "
+                    f"out_specs; pass the reduced value instead"
+                )
+            for p in divisibility_problems(layout, shape, mesh.shape):
+                problems.append(f"{path} (shape {shape}) with spec {str(spec)!r}: {p}")
+            for i, lab in enumerate(layout.labels):
+                if lab is None:
+                    continue
+                seen = label_sizes.setdefault(lab, (shape[i], path))
+                if seen[0] != shape[i]:
+                    problems.append(
+                        f"dim {lab!r} has size {seen[0]} in {seen[1]} but size {shape[i]} in {path} "
+                        f"(spec {str(spec)!r}, shape {shape}); a label names one logical dim, so its "
+                        f"global size must agree everywhere (rename one of them if they differ)"
+                    )
+            if isinstance(x, Sharded) and x.mesh is not mesh:
+                problems.append(
+                    f"{path} is a Sharded value on {x.mesh!r}, not on this shard_map's mesh object "
+                    f"{mesh!r}; reshard it onto the same fs.Mesh"
+                )
+            plans.append(self._in_plan(x, layout))
+        if problems:
+            raise SpecError(_report(self.name, "in_specs", problems))
+        return plans
+
+    def _in_plan(self, x, layout: Layout) -> _InPlan:
+        mesh = self.mesh
+        bits = mesh.bits(layout.split_axes)
+        if isinstance(x, Sharded):
+            if x.layout.dims == layout.dims:
+                return _InPlan("sharded", layout, bits)
+            return _InPlan("reshard", layout, bits)
+        slices, groups = [], []
+        for d, axes in enumerate(layout.dims):
+            if axes:
+                g = mesh.axis_group(axes)
+                n = x.shape[d] // g.size
+                slices.append((d, g.index * n, n))
+                groups.append((d, g))
+        return _InPlan("global", layout, bits, tuple(slices), tuple(groups))
+
+    def _plan_outputs(self, out, leaves, treedef):
+        mesh = self.mesh
+        specs, paths = _broadcast_specs(self.out_specs, out, "out_specs", self.name, "out")
+        problems: list[str] = []
+        plans = []
+        for x, spec, path in zip(leaves, specs, paths):
+            if not isinstance(x, _Tensor):
+                if isinstance(x, Sharded):
+                    problems.append(f"{path}: f returned a Sharded value; return local tensors from f")
+                plans.append(_OutPlan("pass"))
+                continue
+            shape = tuple(x.shape)
+            try:
+                layout, probs = _bind(spec, mesh, len(shape))
+            except SpecError as e:
+                problems.append(f"{path}: {_indent(str(e))}")
+                plans.append(None)
+                continue
+            if layout is None:
+                problems += [f"{path} (local shape {shape}) with spec {str(spec)!r}: {p}" for p in probs]
+                plans.append(None)
+                continue
+            partial = set(layout.partial)
+            scatter = []
+            for d, axes in enumerate(layout.dims):
+                sc = tuple(a for a in axes if a in partial)
+                if sc:
+                    g = mesh.axis_group(sc)
+                    if shape[d] % g.size:
+                        problems.append(
+                            f"{path} (local shape {shape}) with spec {str(spec)!r}: dim {d} of size {shape[d]} "
+                            f"is reduce-scattered over {sc} (size {g.size}), which does not divide it; "
+                            f"pad it to {-(-shape[d] // g.size) * g.size}"
+                        )
+                    scatter.append((d, g))
+            rest = tuple(a for a in layout.partial if a not in layout.split_axes)
+            reduce = mesh.axis_group(rest) if rest else None
+            allowed = mesh.bits(layout.split_axes + layout.partial)
+            final = Layout(layout.dims, layout.labels) if layout.partial else layout
+            kind = "sharded" if layout.is_split else "plain"
+            plans.append(_OutPlan(kind, final, allowed, reduce, tuple(scatter), path, str(spec)))
+        if problems:
+            raise SpecError(_report(self.name, "out_specs", problems))
+        return plans
+
+    # == error checking =====================================================================
+
+    def _check_outputs(self, leaves, plans, tr):
+        problems = []
+        mesh = self.mesh
+        for x, p in zip(leaves, plans):
+            if p.kind == "pass":
+                continue
+            extra = _vma.get(x, tr) & ~p.allowed
+            if extra:
+                axes = mesh.names_of(extra)
+                ax = ", ".join(axes)
+                problems.append(
+                    f"{p.path} varies over mesh axis {ax} but out_spec {p.spec!r} says it is replicated "
+                    f"over {ax}; reduce it inside f (fs.psum / fs.pmean over {axes[0]!r}), mark it "
+                    f"as a partial sum with '| sum({' '.join(axes)})', split a dim over {axes[0]!r} in "
+                    f"the out_spec, or pass check=False if you know it is the same on every rank"
+                )
+        if problems:
+            raise SpecError(_report(self.name, "out_specs", problems, kind="replication check"))
+
+
+# == eager evaluation =====================================================================
+
+
+def _leaf_key(x):
+    if isinstance(x, _Tensor):
+        return (x.shape, x.dtype)
+    if isinstance(x, Sharded):
+        return ("S", x.local.shape, x.dtype, x.layout, id(x.mesh))
+    return type(x)
+
+
+def _localize(x, p: _InPlan, tr, mesh):
+    kind = p.kind
+    if kind == "pass":
+        return x
+    if kind == "global":
+        if p.slices:
+            if x.requires_grad and torch.is_grad_enabled():
+                for d, g in p.groups:
+                    x = LocalSlice.apply(x, g, d, True)
+            else:
+                for d, start, n in p.slices:
+                    x = x.narrow(d, start, n)
+    elif kind == "sharded":
+        x = x.local
+    else:
+        x = relayout(x.local, mesh, x.layout, p.layout)
+    if p.bits:
+        _vma.tag(x, tr, p.bits)
+    return x
+
+
+def _finish(x, p: _OutPlan, mesh):
+    kind = p.kind
+    if kind == "pass":
+        return x
+    if p.reduce is not None:
+        x = AllReduce.apply(x, p.reduce)
+    for d, g in p.scatter:
+        x = ReduceScatter.apply(x, g, d, True)
+    if kind == "plain":
+        return x
+    return Sharded(x, mesh, p.layout)
+
+
+# == helpers ==============================================================================
+
+
+@functools.lru_cache(maxsize=4096)
+def _bind_cached(spec, mesh_items, ndim):
+    return bind(spec, mesh_items, ndim)
+
+
+def _bind(spec, mesh: Mesh, ndim: int):
+    if not isinstance(spec, (str, Spec)):
+        raise SpecError(f"a spec must be a string like \"(dp b) d\", got {type(spec).__name__}: {spec!r}")
+    return _bind_cached(spec, tuple(mesh.shape.items()), ndim)
+
+
+def _broadcast_specs(specs, tree, what, name, root):
+    """Broadcast a spec prefix tree over ``tree``: (spec per leaf, key path per leaf)."""
+    accessors, _, _ = optree.tree_flatten_with_accessor(tree)
+    paths = [a.codify(root) for a in accessors]
+    if isinstance(specs, (str, Spec)):
+        return [specs] * len(paths), paths
+    if root == "args" and isinstance(specs, list):
+        specs = tuple(specs)
+    try:
+        full = optree.broadcast_prefix(specs, tree, is_leaf=lambda s: isinstance(s, (str, Spec)))
+    except ValueError as e:
+        fix = (
+            "give one spec per positional argument (a tuple), or one spec for a whole subtree"
+            if root == "args"
+            else "give one spec per output, or one spec for a whole subtree"
+        )
+        raise SpecError(
+            f"fs.shard_map({name}): {what} does not match the structure of the "
+            f"{'arguments' if root == 'args' else 'outputs'}:\n  {e}\nfix: {fix}"
+        ) from None
+    return full, paths
+
+
+def _indent(text: str) -> str:
+    return text.replace("\n", "\n    ")
+
+
+def _report(name: str, what: str, problems: list[str], kind: str | None = None) -> str:
+    n = len(problems)
+    head = f"fs.shard_map({name}): {n} problem{'s' if n != 1 else ''} with {what}"
+    if kind:
+        head += f" ({kind})"
+    return head + ":\n" + "\n".join(f"  - {p}" for p in problems)
+

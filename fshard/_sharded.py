@@ -1,0 +1,311 @@
+"""Global values that live split across ranks: :class:`Sharded`, :func:`shard`, DTensor interop."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import torch
+import torch.distributed as dist
+
+from ._collectives import AllGatherInvariant, AllToAll, LocalSlice
+from ._errors import MeshError, SpecError
+from ._layout import Layout, bind, divisibility_problems
+from ._mesh import Mesh
+
+__all__ = ["Sharded", "shard", "from_dtensor"]
+
+
+def _bind_or_raise(spec, mesh: Mesh, ndim: int, shape, where: str, check_div: bool = True) -> Layout:
+    if isinstance(spec, Layout):
+        layout, problems = spec, ()
+    else:
+        layout, problems = bind(spec, tuple(mesh.shape.items()), ndim)
+    problems = list(problems)
+    if layout is not None and check_div:
+        problems += divisibility_problems(layout, shape, mesh.shape)
+    if layout is not None and layout.partial:
+        problems.append("a partial-sum spec (| sum(...)) describes a shard_map output, not a stored value")
+    if problems:
+        body = "\n".join(f"  - {p}" for p in problems)
+        raise SpecError(f"{where}: spec {str(spec)!r} for shape {tuple(shape)} on {mesh!r}:\n{body}")
+    return layout
+
+
+class Sharded:
+    """A global tensor stored as one block per rank: the local block, the mesh and the layout.
+
+    ``shape`` and ``dtype`` describe the global value; ``local`` is this rank's block.
+    Build one with :func:`shard` or get one from a ``shard_map`` output whose spec splits
+    a dimension. Sharded values are optree leaves.
+
+    Example:
+        >>> w = fs.shard(torch.randn(8, 4), mesh, "(tp n) k")
+        >>> w.shape, w.local.shape         # on a mesh with tp=2
+        (torch.Size([8, 4]), torch.Size([4, 4]))
+        >>> torch.equal(w.full(), full_w)
+        True
+    """
+
+    __slots__ = ("local", "mesh", "layout", "__weakref__")
+
+    def __init__(self, local: torch.Tensor, mesh: Mesh, spec):
+        if not isinstance(local, torch.Tensor):
+            raise TypeError(f"Sharded needs a torch.Tensor local block, got {type(local).__name__}")
+        self.local = local
+        self.mesh = mesh
+        self.layout = spec if isinstance(spec, Layout) else _bind_or_raise(
+            spec, mesh, local.dim(), local.shape, "fs.Sharded", check_div=False
+        )
+
+    # -- global description -----------------------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        """The global shape."""
+        return torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def ndim(self) -> int:
+        return self.local.dim()
+
+    def dim(self) -> int:
+        return self.local.dim()
+
+    @property
+    def spec(self) -> str:
+        """The layout as spec text, e.g. ``"(dp b) d"``."""
+        return self.layout.spec_text()
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.local.requires_grad
+
+    def requires_grad_(self, flag: bool = True) -> "Sharded":
+        self.local.requires_grad_(flag)
+        return self
+
+    @property
+    def grad(self) -> "Sharded | None":
+        """The gradient of the local block, as a Sharded value with the same layout."""
+        g = self.local.grad
+        return None if g is None else Sharded(g, self.mesh, self.layout)
+
+    def detach(self) -> "Sharded":
+        return Sharded(self.local.detach(), self.mesh, self.layout)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sharded(shape={tuple(self.shape)}, dtype={self.dtype}, spec={self.spec!r}, "
+            f"mesh={self.mesh!r}, local_shape={tuple(self.local.shape)})"
+        )
+
+    # -- moving data ------------------------------------------------------------------------
+
+    def full(self) -> torch.Tensor:
+        """Gather the global value as a plain tensor on every rank (one all_gather per split dim).
+
+        Differentiable: the gradient of the result flows back to this rank's block.
+        """
+        x = self.local
+        for d, axes in enumerate(self.layout.dims):
+            if axes:
+                x = AllGatherInvariant.apply(x, self.mesh.axis_group(axes), d, True)
+        return x
+
+    def reshard(self, spec) -> "Sharded":
+        """The same global value in another layout, moved with the fewest collectives.
+
+        A split that disappears is all-gathered, a new split is a local slice (no
+        communication), and a split that moves from one dim to another is one all_to_all.
+
+        Example:
+            >>> x = fs.shard(t, mesh, "(sp s) h d")
+            >>> y = x.reshard("s (sp h) d")     # one all_to_all over sp
+        """
+        target = _bind_or_raise(spec, self.mesh, self.ndim, self.shape, "Sharded.reshard")
+        return Sharded(relayout(self.local, self.mesh, self.layout, target), self.mesh, target)
+
+    def to_dtensor(self):
+        """This value as a PyTorch ``DTensor`` on ``mesh.device_mesh`` (no communication).
+
+        Raises:
+            SpecError: when a dim is split over several axes in an order other than the mesh's,
+                which DTensor placements cannot express.
+        """
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        names = self.mesh.axis_names
+        placements = [Replicate() for _ in names]
+        for d, axes in enumerate(self.layout.dims):
+            idx = [names.index(a) for a in axes]
+            if idx != sorted(idx):
+                raise SpecError(
+                    f"Sharded.to_dtensor: dim {d} is split over {axes}, not in mesh order {names}; "
+                    f"reshard to ({' '.join(sorted(axes, key=names.index))} ...) first"
+                )
+            for i in idx:
+                placements[i] = Shard(d)
+        shape = self.shape
+        stride = torch.empty(0).new_empty(shape, device="meta").stride() if shape else ()
+        return DTensor.from_local(
+            self.local, self.mesh.device_mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+
+
+def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout) -> torch.Tensor:
+    """Move local block ``x`` from layout ``a`` to layout ``b`` (differentiable)."""
+    if a.dims == b.dims:
+        return x
+    remove: dict[int, tuple[str, ...]] = {}
+    add: dict[int, tuple[str, ...]] = {}
+    for d, (pa, pb) in enumerate(zip(a.dims, b.dims)):
+        k = 0
+        while k < min(len(pa), len(pb)) and pa[k] == pb[k]:
+            k += 1
+        if pa[k:]:
+            remove[d] = pa[k:]
+        if pb[k:]:
+            add[d] = pb[k:]
+    # Splits that move from one dim to another: one all_to_all each.
+    moved = {}
+    if all(len(v) == 1 for v in remove.values()) and all(len(v) == 1 for v in add.values()):
+        src = {v[0]: d for d, v in remove.items()}
+        dst = {v[0]: d for d, v in add.items()}
+        if set(src) == set(dst) and all(src[ax] != dst[ax] for ax in src):
+            moved = {ax: (src[ax], dst[ax]) for ax in src}
+    if moved and len(moved) == len(remove):
+        for ax, (i, j) in moved.items():
+            x = AllToAll.apply(x, mesh.axis_group(ax), j, i)
+        return x
+    for d, axes in remove.items():
+        x = AllGatherInvariant.apply(x, mesh.axis_group(axes), d, True)
+    for d, axes in add.items():
+        x = LocalSlice.apply(x, mesh.axis_group(axes), d, True)
+    return x
+
+
+def local_slices(layout: Layout, mesh: Mesh) -> tuple[tuple[int, int, int], ...]:
+    """``(dim, start, length_divisor_group_index...)`` — this rank's block bounds per split dim."""
+    out = []
+    for d, axes in enumerate(layout.dims):
+        if axes:
+            g = mesh.axis_group(axes)
+            out.append((d, g.index, g.size))
+    return tuple(out)
+
+
+def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -> Sharded:
+    """Split a global tensor into a :class:`Sharded` value.
+
+    Without ``src``, every rank passes the same global tensor and keeps its own block
+    (a copy, so the global tensor can be freed; no communication). With ``src=r``, only
+    rank ``r`` needs the tensor (others may pass None): it scatters the blocks.
+
+    Args:
+        x: the global tensor.
+        mesh: the mesh.
+        spec: the layout, e.g. ``"(dp b) (tp d)"``.
+        src: the global rank holding the data, or None.
+
+    Raises:
+        SpecError: for a spec that does not fit the tensor or the mesh.
+
+    Example:
+        >>> w = fs.shard(torch.randn(1024, 256), mesh, "(tp h) d")
+        >>> w = fs.shard(data if rank == 0 else None, mesh, "(dp b) d", src=0)
+    """
+    if src is None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"fs.shard expects a torch.Tensor, got {type(x).__name__}")
+        layout = _bind_or_raise(spec, mesh, x.dim(), x.shape, "fs.shard")
+        local = x
+        for d, axes in enumerate(layout.dims):
+            if axes:
+                g = mesh.axis_group(axes)
+                n = x.shape[d] // g.size
+                local = local.narrow(d, g.index * n, n)
+        return Sharded(local.clone() if local is not x else local, mesh, layout)
+    # scatter from one rank
+    if not dist.is_initialized():
+        return shard(x, mesh, spec)
+    meta = [None]
+    if dist.get_rank() == src:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"fs.shard(src={src}) needs a tensor on rank {src}, got {type(x).__name__}")
+        meta = [(tuple(x.shape), x.dtype)]
+    dist.broadcast_object_list(meta, src=src)
+    shape, dtype = meta[0]
+    layout = _bind_or_raise(spec, mesh, len(shape), shape, "fs.shard")
+    local_shape = layout.local_shape(shape, mesh.shape)
+    out = torch.empty(local_shape, dtype=dtype, device=mesh.device)
+    blocks = None
+    if dist.get_rank() == src:
+        blocks = []
+        for r in range(dist.get_world_size()):
+            coord = _coord_of(mesh, r)
+            blk = x
+            for d, axes in enumerate(layout.dims):
+                if axes:
+                    idx = 0
+                    for a in axes:
+                        idx = idx * mesh.shape[a] + coord[a]
+                    n = shape[d] // math.prod(mesh.shape[a] for a in axes)
+                    blk = blk.narrow(d, idx * n, n)
+            blocks.append(blk.contiguous().to(mesh.device))
+    dist.scatter(out, blocks, src=src)
+    return Sharded(out, mesh, layout)
+
+
+def _coord_of(mesh: Mesh, rank: int) -> dict[str, int]:
+    flat = mesh._ranks.index(rank)
+    coord = {}
+    for n in reversed(mesh.axis_names):
+        coord[n] = flat % mesh.shape[n]
+        flat //= mesh.shape[n]
+    return coord
+
+
+_meshes_by_dm: dict = {}
+
+
+def from_dtensor(dt) -> Sharded:
+    """A :class:`Sharded` view of a PyTorch ``DTensor`` (partial placements are reduced first).
+
+    Example:
+        >>> s = fs.from_dtensor(dtensor)
+        >>> s.spec
+        '(dp d0) d1'
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    dm = dt.device_mesh
+    hit = _meshes_by_dm.get(id(dm))
+    if hit is None or hit[0] is not dm:
+        hit = (dm, Mesh.from_device_mesh(dm))
+        _meshes_by_dm[id(dm)] = hit
+    mesh = hit[1]
+    if any(isinstance(p, Partial) for p in dt.placements):
+        dt = dt.redistribute(dm, [Replicate() if isinstance(p, Partial) else p for p in dt.placements])
+    dims: list[list[str]] = [[] for _ in range(dt.dim())]
+    for name, p in zip(mesh.axis_names, dt.placements):
+        if isinstance(p, Shard):
+            dims[p.dim].append(name)
+        elif not isinstance(p, Replicate):
+            raise MeshError(f"fs.from_dtensor: placement {p!r} is not supported; redistribute to Shard/Replicate")
+    layout = Layout(tuple(tuple(d) for d in dims), tuple(None for _ in dims))
+    problems = divisibility_problems(layout, dt.shape, mesh.shape)
+    if problems:
+        raise SpecError("fs.from_dtensor: uneven shards are not supported:\n" + "\n".join(f"  - {p}" for p in problems))
+    return Sharded(dt.to_local(), mesh, layout)
+
+
+optree.register_pytree_node  # Sharded is a leaf: optree treats unregistered classes as leaves.
