@@ -97,11 +97,13 @@ def _death_signal_preexec():
 
 
 def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes, lock: threading.Lock) -> None:
-    for line in iter(src.readline, b""):
-        with lock:
-            dst.write(prefix + line)
-            dst.flush()
-    src.close()
+    try:
+        for line in iter(src.readline, b""):
+            with lock:
+                dst.write(prefix + line)
+                dst.flush()
+    except (OSError, ValueError):  # stream closed under us at shutdown
+        pass
 
 
 def _describe(code: int) -> str:
@@ -227,13 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc.wait()
         for thread in pumps:
             thread.join(timeout=2.0)
-        for proc in procs:
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None and not stream.closed:
-                    try:
+        if not any(thread.is_alive() for thread in pumps):  # else a grandchild holds the pipe open
+            for proc in procs:
+                for stream in (proc.stdout, proc.stderr):
+                    if stream is not None:
                         stream.close()
-                    except (OSError, ValueError):
-                        pass
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
 

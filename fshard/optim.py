@@ -1,0 +1,196 @@
+"""Functional optimizers and global-norm clipping over sharded pytrees.
+
+An optimizer is a pair of pure functions, ``init(params) -> state`` and
+``update(params, grads, state) -> (params, state)``. Each works leaf by leaf on local
+blocks, so optimizer state is laid out exactly like its parameter (an FSDP-sharded
+parameter has FSDP-sharded moments) and no update needs communication. Leaves may be
+plain tensors (inside ``shard_map``, or replicated values outside it) or
+:class:`~fshard.Sharded` values.
+
+Why functional rather than ``torch.optim``: parameters here are pytrees passed to and
+returned from pure functions, often as :class:`Sharded` wrappers whose local tensors are
+replaced each step; ``torch.optim`` keys its state on tensor identity. ``torch.optim``
+over the local blocks (``[p.local for p in leaves]``) still works when the parameters are
+updated in place; :func:`local_tensors` gives that list.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import optree
+import torch
+
+from . import _vma
+from ._comm import all_reduce
+from ._sharded import Sharded
+
+__all__ = ["Optimizer", "sgd", "adamw", "clip_by_global_norm", "global_norm", "local_tensors"]
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer: ``init(params) -> state``, ``update(params, grads, state) -> (params, state)``."""
+
+    init: Callable
+    update: Callable
+
+
+def local_tensors(tree) -> list[torch.Tensor]:
+    """The local tensor of every leaf (``.local`` for Sharded leaves), in tree order."""
+    return [x.local if isinstance(x, Sharded) else x for x in optree.tree_leaves(tree)]
+
+
+def _split(tree):
+    leaves, treedef = optree.tree_flatten(tree)
+    return [x.local if isinstance(x, Sharded) else x for x in leaves], leaves, treedef
+
+
+def _join(locals_, like, treedef):
+    return optree.tree_unflatten(
+        treedef, [Sharded(t, x.mesh, x.layout) if isinstance(x, Sharded) else t for t, x in zip(locals_, like)]
+    )
+
+
+def sgd(lr: float, momentum: float = 0.0, *, nesterov: bool = False, weight_decay: float = 0.0) -> Optimizer:
+    """Stochastic gradient descent with optional momentum, as ``torch.optim.SGD`` computes it.
+
+    Example:
+        >>> opt = fs.optim.sgd(0.1, momentum=0.9)
+        >>> state = opt.init(params)
+        >>> params, state = opt.update(params, grads, state)
+    """
+
+    def init(params):
+        if momentum == 0.0:
+            return {"step": 0}
+        p, like, treedef = _split(params)
+        return {"step": 0, "momentum": _join([torch.zeros_like(t) for t in p], like, treedef)}
+
+    @torch.no_grad()
+    def update(params, grads, state):
+        p, like, treedef = _split(params)
+        g, _, _ = _split(grads)
+        g = list(g)
+        if weight_decay:
+            g = torch._foreach_add(g, p, alpha=weight_decay)
+        new_state = {"step": state["step"] + 1}
+        if momentum:
+            buf, _, _ = _split(state["momentum"])
+            if state["step"] == 0:
+                buf = [t.clone() for t in g]
+            else:
+                buf = torch._foreach_mul(buf, momentum)
+                torch._foreach_add_(buf, g)
+            new_state["momentum"] = _join(buf, like, treedef)
+            g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+        new_p = torch._foreach_add(p, g, alpha=-lr)
+        return _join(new_p, like, treedef), new_state
+
+    return Optimizer(init, update)
+
+
+def adamw(
+    lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01
+) -> Optimizer:
+    """AdamW (decoupled weight decay), as ``torch.optim.AdamW`` computes it.
+
+    Example:
+        >>> opt = fs.optim.adamw(3e-4, weight_decay=0.1)
+        >>> state = opt.init(params)
+        >>> params, state = opt.update(params, grads, state)
+    """
+    b1, b2 = betas
+
+    def init(params):
+        p, like, treedef = _split(params)
+        return {
+            "step": 0,
+            "m": _join([torch.zeros_like(t) for t in p], like, treedef),
+            "v": _join([torch.zeros_like(t) for t in p], like, treedef),
+        }
+
+    @torch.no_grad()
+    def update(params, grads, state):
+        p, like, treedef = _split(params)
+        g, _, _ = _split(grads)
+        m, _, _ = _split(state["m"])
+        v, _, _ = _split(state["v"])
+        step = state["step"] + 1
+        p = torch._foreach_mul(p, 1 - lr * weight_decay)
+        m = torch._foreach_mul(m, b1)
+        torch._foreach_add_(m, g, alpha=1 - b1)
+        v = torch._foreach_mul(v, b2)
+        torch._foreach_addcmul_(v, g, g, value=1 - b2)
+        bc1 = 1 - b1**step
+        bc2 = 1 - b2**step
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
+        return _join(p, like, treedef), {"step": step, "m": _join(m, like, treedef), "v": _join(v, like, treedef)}
+
+    return Optimizer(init, update)
+
+
+@torch.no_grad()
+def global_norm(grads) -> torch.Tensor:
+    """The L2 norm of all gradients together, each element counted once.
+
+    A gradient split over some mesh axes is summed over exactly those axes; a replicated
+    one is counted once. Inside ``shard_map`` the varying axes of each gradient decide; on
+    global values, each Sharded leaf's layout does. One all-reduce in all.
+
+    Example:
+        >>> norm = fs.optim.global_norm(grads)
+    """
+    leaves = optree.tree_leaves(grads)
+    tr = _vma.active()
+    total = None
+    mesh = tr.mesh if tr is not None else next((x.mesh for x in leaves if isinstance(x, Sharded)), None)
+    for x in leaves:
+        if isinstance(x, Sharded):
+            split = x.layout.split_axes
+            t = x.local
+        elif isinstance(x, torch.Tensor):
+            if tr is not None:
+                split = tr.mesh.names_of(_vma.get(x, tr))
+            else:
+                split = ()
+            t = x
+        else:
+            continue
+        with _no_tf():
+            sq = t.detach().float().square().sum()
+            if mesh is not None:
+                copies = mesh.size // math.prod(mesh.axis_size(a) for a in split) if split else mesh.size
+                sq = sq / copies
+            total = sq if total is None else total + sq
+    if total is None:
+        return torch.zeros(())
+    with _no_tf():
+        if mesh is not None and mesh.size > 1:
+            total = all_reduce(total, mesh.axis_group(mesh.axis_names))
+            if tr is not None:
+                _vma.tag(total, tr, 0)
+        return total.sqrt()
+
+
+def _no_tf():
+    return torch._C.DisableTorchFunction()
+
+
+@torch.no_grad()
+def clip_by_global_norm(grads, max_norm: float):
+    """Scale ``grads`` so their global norm is at most ``max_norm``; returns ``(grads, norm)``.
+
+    Example:
+        >>> grads, norm = fs.optim.clip_by_global_norm(grads, 1.0)
+    """
+    norm = global_norm(grads)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    g, like, treedef = _split(grads)
+    tensors = [t for t in g if isinstance(t, torch.Tensor)]
+    scaled = iter(torch._foreach_mul(tensors, scale) if tensors else [])
+    out = [next(scaled) if isinstance(t, torch.Tensor) else t for t in g]
+    return _join(out, like, treedef), norm
