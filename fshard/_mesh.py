@@ -40,6 +40,9 @@ class AxisGroup:
         return f"AxisGroup({self.names}, size={self.size})"
 
 
+_SHARED: dict = {}
+
+
 def _local_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -127,10 +130,18 @@ class Mesh:
         else:
             self.device = torch.device("cpu")
         self._device_mesh = device_mesh
+        cache_key = None
         if device_mesh is None and dist.is_initialized():
-            from torch.distributed.device_mesh import init_device_mesh
+            # Meshes of the same shape share one DeviceMesh and its process groups: making
+            # groups is collective and costly, and equal meshes are interchangeable.
+            cache_key = (names, sizes, self.device.type, id(dist.group.WORLD))
+            shared = _SHARED.get(cache_key)
+            if shared is None:
+                from torch.distributed.device_mesh import init_device_mesh
 
-            self._device_mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
+                dm = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
+                shared = _SHARED[cache_key] = (dm, {})
+            self._device_mesh = shared[0]
         if self._device_mesh is not None:
             coord = self._device_mesh.get_coordinate()
             self._coord = tuple(int(c) for c in coord)
@@ -139,7 +150,8 @@ class Mesh:
             self._coord = tuple(0 for _ in names)
             self._ranks = [rank]
         self.rank = rank
-        self._groups: dict[tuple[str, ...], AxisGroup] = {}
+        self._groups: dict[tuple[str, ...], AxisGroup] = _SHARED[cache_key][1] if cache_key else {}
+        self._key = (names, sizes, tuple(self._ranks))
         # Bits for axes that can vary (size > 1); used by varying-axes tracking.
         self._bits = {n: (1 << i) for i, (n, s) in enumerate(zip(names, sizes)) if s > 1}
 
@@ -182,6 +194,12 @@ class Mesh:
     def coordinate(self) -> dict[str, int]:
         """This rank's coordinate on every axis."""
         return dict(zip(self._names, self._coord))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mesh) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
 
     def __repr__(self) -> str:
         return "Mesh(" + ", ".join(f"{n}={s}" for n, s in self._shape.items()) + ")"

@@ -186,9 +186,9 @@ class _ShardMapped:
                         f"(spec {str(spec)!r}, shape {shape}); a label names one logical dim, so its "
                         f"global size must agree everywhere (rename one of them if they differ)"
                     )
-            if isinstance(x, Sharded) and x.mesh is not mesh:
+            if isinstance(x, Sharded) and x.mesh != mesh:
                 problems.append(
-                    f"{path} is a Sharded value on {x.mesh!r}, not on this shard_map's mesh object "
+                    f"{path} is a Sharded value on {x.mesh!r}, not on this shard_map's mesh "
                     f"{mesh!r}; reshard it onto the same fs.Mesh"
                 )
             plans.append(self._in_plan(x, layout))
@@ -286,7 +286,7 @@ def _leaf_key(x):
     if isinstance(x, _Tensor):
         return (x.shape, x.dtype)
     if isinstance(x, Sharded):
-        return ("S", x.local.shape, x.dtype, x.layout, id(x.mesh))
+        return ("S", x.local.shape, x.dtype, x.layout, x.mesh._key)
     return type(x)
 
 
