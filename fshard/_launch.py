@@ -201,6 +201,16 @@ def _watch_parent(ppid: int) -> None:
             os._exit(70)
 
 
+# gloo raises plain RuntimeErrors; these texts mark a failure caused by another rank.
+_COMM_ERROR_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+)
+
+
 def _is_comm_error(exc: BaseException) -> bool:
     """Whether ``exc`` looks like a consequence of another rank failing (not a root cause)."""
     try:
@@ -213,7 +223,7 @@ def _is_comm_error(exc: BaseException) -> bool:
     text = str(exc)
     return any(
         marker in text
-        for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
+        for marker in _COMM_ERROR_MARKERS
     )
 
 

@@ -8,7 +8,6 @@ collectives the output specs imply.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import optree
@@ -119,25 +118,26 @@ class _ShardMapped:
                 f"by position); got keyword arguments {sorted(kwargs)}"
             )
         leaves, treedef = optree.tree_flatten(args)
-        key = (treedef, tuple(_leaf_key(x) for x in leaves))
+        key = (treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in leaves])
         plans = self._in_plans.get(key)
         if plans is None:
             plans = self._plan_inputs(args, leaves, treedef)
             self._in_plans[key] = plans
         mesh = self.mesh
         tr = _vma.Trace(mesh, self.name)
-        local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
-        local_args = optree.tree_unflatten(treedef, local)
+        local_args = optree.tree_unflatten(treedef, [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)])
         _vma._stack.append(tr)
         try:
-            mode = _vma.VmaMode(tr) if self._tracked else contextlib.nullcontext()
-            with mode:
+            if self._tracked:
+                with _vma.VmaMode(tr):
+                    out = self.f(*local_args)
+            else:
                 out = self.f(*local_args)
         finally:
             _vma._stack.pop()
             tr.pvary_cache.clear()
         out_leaves, out_treedef = optree.tree_flatten(out)
-        okey = (out_treedef, tuple(_leaf_key(x) for x in out_leaves))
+        okey = (out_treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves])
         oplans = self._out_plans.get(okey)
         if oplans is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)

@@ -101,16 +101,6 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     return out
 
 
-def _scan(seq, tr: Trace, acc: list) -> None:
-    for a in seq:
-        if isinstance(a, _Tensor):
-            acc.append(get(a, tr))
-        elif type(a) in (list, tuple):
-            for b in a:
-                if isinstance(b, _Tensor):
-                    acc.append(get(b, tr))
-
-
 def _cast_args(seq, tr: Trace, union: int):
     out = []
     for a in seq:
@@ -151,16 +141,34 @@ class VmaMode(TorchFunctionMode):
             kwargs = {}
         if func is torch.autograd.grad:
             return _autograd_grad(tr, args, kwargs)
-        acc: list[int] = []
-        _scan(args, tr, acc)
-        if kwargs:
-            _scan(kwargs.values(), tr, acc)
-        if not acc:
-            return func(*args, **kwargs)
+        # Union of the operands' masks, noting whether they differ (hot path: keep it flat).
         union = 0
-        for v in acc:
-            union |= v
-        if union and torch.is_grad_enabled() and any(v != union for v in acc):
+        first = -1
+        mixed = False
+        for seq in (args, kwargs.values()) if kwargs else (args,):
+            for a in seq:
+                if isinstance(a, _Tensor):
+                    t = getattr(a, _ATTR, None)
+                    v = t[1] if t is not None and t[0] is tr else 0
+                elif type(a) is list or type(a) is tuple:
+                    for b in a:
+                        if isinstance(b, _Tensor):
+                            t = getattr(b, _ATTR, None)
+                            v = t[1] if t is not None and t[0] is tr else 0
+                            if first < 0:
+                                first = v
+                            elif v != first:
+                                mixed = True
+                            union |= v
+                    continue
+                else:
+                    continue
+                if first < 0:
+                    first = v
+                elif v != first:
+                    mixed = True
+                union |= v
+        if mixed and torch.is_grad_enabled():
             args = _cast_args(args, tr, union)
             if kwargs:
                 kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
