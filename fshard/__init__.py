@@ -34,6 +34,7 @@ from ._mesh import Mesh
 from ._shard_map import shard_map
 from ._sharded import Sharded, from_dtensor, shard
 from ._spec import Spec, parse_spec
+from ._visualize import visualize
 from . import optim, random  # noqa: E402  (submodules: fs.optim.adamw, fs.random.normal)
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "Sharded",
     "shard",
     "from_dtensor",
+    "visualize",
     # collectives
     "psum",
     "pmean",

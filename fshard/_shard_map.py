@@ -15,7 +15,7 @@ import torch
 
 from . import _vma
 from ._collectives import AllReduce, LocalSlice, ReduceScatter
-from ._errors import SpecError
+from ._errors import FshardError, SpecError
 from ._layout import Layout, bind, divisibility_problems
 from ._mesh import Mesh
 from ._sharded import Sharded, relayout
@@ -116,6 +116,12 @@ class _ShardMapped:
             raise TypeError(
                 f"fs.shard_map({self.name}) takes positional arguments only (in_specs matches them "
                 f"by position); got keyword arguments {sorted(kwargs)}"
+            )
+        if _vma._stack:
+            raise FshardError(
+                f"fs.shard_map({self.name}) was called inside fs.shard_map({_vma._stack[-1].where}); "
+                f"nested shard_map is not supported: call the inner function's body directly on the "
+                f"local tensors, using collectives for communication"
             )
         leaves, treedef = optree.tree_flatten(args)
         key = (treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in leaves])

@@ -54,11 +54,17 @@ def active() -> Trace | None:
     return _stack[-1] if _stack else None
 
 
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrap = torch._C._functorch.get_unwrapped
+
+
 def get(t, tr: Trace) -> int:
     """The varying-axes mask of ``t`` in trace ``tr`` (0: invariant)."""
     tag = getattr(t, _ATTR, None)
     if tag is not None and tag[0] is tr:
         return tag[1]
+    if _is_wrapped(t):  # inside torch.func transforms: the mask lives on the unwrapped tensor
+        return get(_unwrap(t), tr)
     return 0
 
 
@@ -149,12 +155,12 @@ class VmaMode(TorchFunctionMode):
             for a in seq:
                 if isinstance(a, _Tensor):
                     t = getattr(a, _ATTR, None)
-                    v = t[1] if t is not None and t[0] is tr else 0
+                    v = t[1] if t is not None and t[0] is tr else get(a, tr)
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
                         if isinstance(b, _Tensor):
                             t = getattr(b, _ATTR, None)
-                            v = t[1] if t is not None and t[0] is tr else 0
+                            v = t[1] if t is not None and t[0] is tr else get(b, tr)
                             if first < 0:
                                 first = v
                             elif v != first:
