@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import errno
 import faulthandler
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import multiprocessing.util  # noqa: F401  (imported before our atexit hook so ours runs first)
@@ -28,7 +29,6 @@ import pickle
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -203,6 +203,7 @@ def _watch_parent(ppid: int) -> None:
 
 # gloo raises plain RuntimeErrors; these texts mark a failure caused by another rank.
 _COMM_ERROR_MARKERS = (
+    "gloo/transport/",
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
@@ -232,10 +233,19 @@ def _error_message(exc: BaseException) -> tuple:
     return ("err", summary, traceback.format_exc(), _is_comm_error(exc))
 
 
+def _run_job(data: bytes) -> bytes:
+    """Unpickle ``(fn, args, kwargs)``, call it, and return the pickled reply."""
+    try:
+        fn, args, kwargs = pickle.loads(data)
+        return pickle.dumps(("ok", fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException as exc:  # SystemExit too: a rank must always answer
+        return pickle.dumps(_error_message(exc))
+
+
 def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
     """Body of one pool rank: init the process group, then run jobs until told to stop."""
     global _stack_file
-    threading.Thread(target=_watch_parent, args=(cfg["ppid"],), daemon=True, name="fshard-parent-watch").start()
+    threading.Thread(target=_watch_parent, args=(cfg["ppid"],), daemon=True, name="fshard-ppid").start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
     try:
         _stack_file = open(os.path.join(cfg["stack_dir"], f"rank{rank}.txt"), "w")  # noqa: SIM115
@@ -283,14 +293,12 @@ def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
                 break
             if not data:  # graceful shutdown
                 break
+            reply = _run_job(data)
+            del data  # free the job's arguments while idle
             try:
-                fn, args, kwargs = pickle.loads(data)
-                result = fn(*args, **kwargs)
-                reply = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
-            except BaseException as exc:
-                reply = pickle.dumps(_error_message(exc))
-            del data
-            conn.send_bytes(reply)
+                conn.send_bytes(reply)
+            except OSError:  # parent gone
+                break
             del reply
     finally:
         try:
@@ -363,7 +371,8 @@ class _World:
                 pass
         time.sleep(0.5)
         return "".join(
-            f"\n--- Python stacks of rank {rank} ---\n{_truncate(self.stack_text(rank), 3000)}" for rank in ranks
+            f"\n--- Python stacks of rank {rank} ---\n{_truncate(self.stack_text(rank), 3000)}"
+            for rank in ranks
         )
 
     def stack_text(self, rank: int) -> str:
@@ -374,10 +383,13 @@ class _World:
             return ""
 
     def shutdown(self, graceful: bool) -> None:
-        """Stop all ranks (politely if ``graceful``, then SIGTERM, then SIGKILL) and free everything."""
+        """Stop all ranks (politely if ``graceful``, then SIGTERM, then SIGKILL) and free everything.
+
+        Ranks that never reported ready are not idle, so they are terminated right away.
+        """
         procs, conns = self.procs, self.conns
         self.procs, self.conns = [], []
-        if graceful:
+        if graceful and self.ready:
             for conn in conns:
                 try:
                     conn.send_bytes(b"")
@@ -507,16 +519,18 @@ class RankPool:
         self._closed = True
         self._drop_world(graceful=True)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120, **kwargs: Any) -> list:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = 120, **kwargs: Any) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank and return the per-rank results.
 
         ``fn``, the arguments and the results travel by pickle (``fn`` by reference: define it at
-        module level in an importable module). Tensors are copied by value.
+        module level in an importable module). Tensors are copied by value; CUDA tensors come back
+        on their CUDA device, so return ``.cpu()`` copies to keep the caller free of CUDA contexts.
 
         Args:
             fn: the function each rank runs.
             *args: positional arguments for ``fn``.
-            timeout: bound in seconds on the whole call, including (re)starting the ranks.
+            timeout: bound in seconds on the whole call, including (re)starting the ranks
+                (``None``: no bound).
             **kwargs: keyword arguments for ``fn`` (``timeout`` is taken by ``run`` itself).
 
         Returns:
@@ -542,7 +556,7 @@ class RankPool:
 
     # internals ------------------------------------------------------------------------------------
 
-    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> list:
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float | None) -> list:
         if self._closed:
             raise FshardError("this RankPool is closed")
         try:
@@ -553,7 +567,7 @@ class RankPool:
                 "Rank functions must be defined at module level of an importable module, "
                 "and their arguments must be picklable."
             ) from exc
-        deadline = time.monotonic() + timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         done = False
         try:
             world = self._world if self._world is not None else self._start()
@@ -592,7 +606,7 @@ class RankPool:
             for rank in pending:
                 owners[world.conns[rank]] = rank
                 owners[world.procs[rank].sentinel] = rank
-            for obj in mp_connection.wait(list(owners), timeout=end - now):
+            for obj in mp_connection.wait(list(owners), timeout=min(end - now, 60.0)):
                 rank = owners[obj]
                 if rank not in pending:
                     continue
@@ -636,7 +650,14 @@ class RankPool:
                 False,
             )
 
-    def _fail(self, world: _World, failures: list[_Failure], pending: list[int], timeout: float, starting: bool):
+    def _fail(
+        self,
+        world: _World,
+        failures: list[_Failure],
+        pending: list[int],
+        timeout: float | None,
+        starting: bool,
+    ) -> None:
         n = world.nprocs
         phase = " while starting up" if starting else ""
         if not failures:
@@ -653,7 +674,8 @@ class RankPool:
             lines.append(f"also: rank {other.rank} {_truncate(other.what, 300)}")
         if pending:
             lines.append(
-                f"rank(s) {pending} were still running {self.grace:g} s after the failure and have been killed"
+                f"rank(s) {pending} were still running {self.grace:g} s after the failure "
+                "and have been killed"
             )
         message = "\n".join(lines)
         if first.traceback:

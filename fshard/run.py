@@ -41,15 +41,16 @@ def _parser() -> argparse.ArgumentParser:
         description="Launch a Python script (or module) on N local ranks with torchrun's environment.",
     )
     parser.add_argument(
-        "-n", "--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=1, help="number of ranks (default 1)"
+        "-n", "--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=1,
+        help="number of ranks (default 1)"
     )
     parser.add_argument(
-        "-m", "--module", action="store_true", help="treat SCRIPT as a module name and run it like `python -m`"
+        "-m", "--module", action="store_true", help="treat SCRIPT as a module name, run like `python -m`"
     )
     parser.add_argument("--prefix", action="store_true", help="prefix every output line with [rankR]:")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("script", metavar="SCRIPT", help="script path (or module name with -m)")
-    parser.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="script arguments")
     return parser
 
 

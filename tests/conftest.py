@@ -36,8 +36,10 @@ _POOLS: dict[int, RankPool] = {}
 def run_ranks(n: int, fn, *args, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on the cached ``n``-rank pool; return the per-rank results.
 
-    ``timeout=`` (seconds, default 120) is consumed by the pool, not passed to ``fn``.
+    ``timeout=`` (seconds) is consumed by the pool, not passed to ``fn``. Its default, 90 s, is
+    below pytest-timeout's 120 s so that a hang is reported as a RankError with the ranks' stacks.
     """
+    kwargs.setdefault("timeout", 90)
     pool = _POOLS.get(n)
     if pool is None:
         pool = _POOLS[n] = RankPool(n)
