@@ -103,6 +103,8 @@ def a2a_dim(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> t
 
 
 class AllReduce(torch.autograd.Function):
+    """psum: all-reduce forward; the transpose is pvary (identity, whose own transpose is psum)."""
+
     @staticmethod
     @_untracked
     def forward(x, g):
@@ -110,11 +112,16 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.g = inputs[1]
 
     @staticmethod
     def backward(ctx, ct):
+        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+            return _vma._Pvary.apply(ct, ctx.g), None
         return ct, None
+
+
+_vma.PSUM = AllReduce
 
 
 class AllGather(torch.autograd.Function):
@@ -374,9 +381,9 @@ def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False, *, inva
     tr, g, bits, v = _prologue(x, axis, "all_gather")
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
+    x = _vary(x, tr, v, bits)
     if invariant:
         return _vma.tag(AllGatherInvariant.apply(x, g, dim, tiled), tr, v & ~bits)
-    x = _vary(x, tr, v, bits)
     return _vma.tag(AllGather.apply(x, g, dim, tiled), tr, v | bits)
 
 

@@ -188,3 +188,20 @@ def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
             _record("broadcast", g, out)
             dist.broadcast(out, src=g.global_ranks[src], group=g.group)
         return out
+
+
+def broadcast_object(objs: list, src: int) -> None:
+    """``dist.broadcast_object_list`` over the world, counted as a broadcast."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if _recorders:
+            for r in _recorders:
+                r.records.append(("broadcast", ("world",), 0))
+        dist.broadcast_object_list(objs, src=src)
+
+
+def scatter(out: torch.Tensor, blocks: list | None, src: int) -> None:
+    """``dist.scatter`` over the world (one block per global rank), counted."""
+    if _recorders:
+        for r in _recorders:
+            r.records.append(("scatter", ("world",), out.numel() * out.element_size()))
+    dist.scatter(out, blocks, src=src)

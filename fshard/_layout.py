@@ -178,7 +178,7 @@ def divisibility_problems(layout: Layout, shape, mesh_shape: dict) -> list[str]:
             continue
         n = math.prod(mesh_shape[a] for a in axes)
         if size % n:
-            over = " ".join(f"{a} (size {mesh_shape[a]})" for a in axes)
+            over = " and ".join(f"{a} (size {mesh_shape[a]})" for a in axes)
             label = f" ({layout.labels[i]})" if layout.labels[i] else ""
             out.append(
                 f"dim {i}{label} of size {size} is split over {over}, and {n} does not divide {size}; "

@@ -8,6 +8,7 @@ per-axis process groups; groups over several axes at once are made on first use.
 from __future__ import annotations
 
 import difflib
+import keyword
 import math
 from dataclasses import dataclass
 
@@ -79,8 +80,17 @@ class Mesh:
         if not spec:
             raise MeshError("a mesh needs at least one axis, for example fs.Mesh(dp=2)")
         for name, size in spec.items():
-            if not isinstance(name, str) or not name.isidentifier():
-                raise MeshError(f"mesh axis name {name!r} is not a Python identifier")
+            if (
+                not isinstance(name, str)
+                or not name.isidentifier()
+                or keyword.iskeyword(name)
+                or name.startswith("_")
+                or name.endswith("_")
+            ):
+                raise MeshError(
+                    f"mesh axis name {name!r} cannot appear in a spec: use a Python identifier that is "
+                    f"not a keyword and does not start or end with '_'"
+                )
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes must be positive integers")
         self._init(tuple(spec), tuple(spec.values()), device_mesh=None)
@@ -121,7 +131,7 @@ class Mesh:
                     f"fs.launch(fn, nprocs={size})"
                 )
             raise MeshError(
-                f"Mesh({shape_text}) has {size} ranks but the world has {world}; "
+                f"Mesh({shape_text}) has {size} rank{'s' if size != 1 else ''} but the world has {world}; "
                 f"choose axis sizes whose product is {world}"
             )
         self._backend = dist.get_backend() if dist.is_initialized() else None
@@ -211,21 +221,21 @@ class Mesh:
         names = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
         if names is None or not names or not all(isinstance(n, str) for n in names):
             raise CollectiveError(
-                f"{where}: axis must be a mesh axis name or a tuple of names, got {axis!r}; "
+                f"fs.{where}: axis must be a mesh axis name or a tuple of names, got {axis!r}; "
                 f"mesh axes are {self._names}"
             )
         for n in names:
             if n not in self._shape:
-                close = difflib.get_close_matches(n, self._names, n=1)
+                close = difflib.get_close_matches(n, self._names, n=1, cutoff=0.5)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise CollectiveError(f"{where}: {n!r} is not an axis of {self!r}{hint}")
+                raise CollectiveError(f"fs.{where}: {n!r} is not an axis of {self!r}{hint}")
         if len(set(names)) != len(names):
-            raise CollectiveError(f"{where}: axis {axis!r} names an axis twice")
+            raise CollectiveError(f"fs.{where}: axis {axis!r} names an axis twice")
         return names
 
     def axis_group(self, axis, where: str = "collective") -> AxisGroup:
         """The cached :class:`AxisGroup` for an axis or tuple of axes."""
-        key = axis if isinstance(axis, tuple) else (axis,)
+        key = axis if type(axis) is tuple else tuple(axis) if type(axis) is list else (axis,)
         got = self._groups.get(key)
         if got is not None:
             return got

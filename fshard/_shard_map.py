@@ -19,7 +19,7 @@ from ._errors import FshardError, SpecError
 from ._layout import Layout, bind, divisibility_problems
 from ._mesh import Mesh
 from ._sharded import Sharded, relayout
-from ._spec import Spec
+from ._spec import Spec, parse_spec
 
 __all__ = ["shard_map"]
 
@@ -107,6 +107,7 @@ class _ShardMapped:
         self._in_plans: dict = {}
         self._out_plans: dict = {}
         self._tracked = bool(mesh._bits)  # any axis of size > 1: varying-axes tracking on
+        self._out_specs_checked = False
 
     def __repr__(self) -> str:
         return f"shard_map({self.name}, mesh={self.mesh!r})"
@@ -129,6 +130,8 @@ class _ShardMapped:
         if plans is None:
             plans = self._plan_inputs(args, leaves, treedef)
             self._in_plans[key] = plans
+        if not self._out_specs_checked:
+            self._precheck_out_specs()
         mesh = self.mesh
         tr = _vma.Trace(mesh, self.name)
         local_args = optree.tree_unflatten(treedef, [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)])
@@ -148,8 +151,13 @@ class _ShardMapped:
         if oplans is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)
             self._out_plans[okey] = oplans
-        if self.check and self._tracked:
-            self._check_outputs(out_leaves, oplans, tr)
+        if self._tracked:
+            if self.check:
+                self._check_outputs(out_leaves, oplans, tr)
+            if torch.is_grad_enabled():
+                # An output invariant over an axis its spec splits or sums over holds one copy
+                # per index: cast it to varying so its gradient sums over the copies.
+                out_leaves = [_vary_out(x, p, tr) for x, p in zip(out_leaves, oplans)]
         return optree.tree_unflatten(out_treedef, [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)])
 
     # == planning ===========================================================================
@@ -177,7 +185,7 @@ class _ShardMapped:
                 continue
             if layout.partial:
                 problems.append(
-                    f"{path} with spec {str(spec)!r}: a partial-sum spec (| sum(...)) is only valid in "
+                    f"{path} (shape {shape}) with spec {str(spec)!r}: a partial-sum spec (| sum(...)) is only valid in "
                     f"out_specs; pass the reduced value instead"
                 )
             for p in divisibility_problems(layout, shape, mesh.shape):
@@ -195,7 +203,7 @@ class _ShardMapped:
             if isinstance(x, Sharded) and x.mesh != mesh:
                 problems.append(
                     f"{path} is a Sharded value on {x.mesh!r}, not on this shard_map's mesh "
-                    f"{mesh!r}; reshard it onto the same fs.Mesh"
+                    f"{mesh!r}; move it with fs.shard(value.full(), mesh, spec)"
                 )
             plans.append(self._in_plan(x, layout))
         if problems:
@@ -217,6 +225,25 @@ class _ShardMapped:
                 slices.append((d, g.index * n, n))
                 groups.append((d, g))
         return _InPlan("global", layout, bits, tuple(slices), tuple(groups))
+
+    def _precheck_out_specs(self):
+        """Problems of out_specs that do not depend on f's outputs, found before f runs."""
+        is_spec = lambda s: isinstance(s, (str, Spec))  # noqa: E731
+        accessors, specs, _ = optree.tree_flatten_with_accessor(self.out_specs, is_leaf=is_spec)
+        problems = []
+        for acc, spec in zip(accessors, specs):
+            path = acc.codify("out_specs")
+            try:
+                parsed = parse_spec(spec)
+            except SpecError as e:
+                problems.append(f"{path}: {_indent(str(e))}")
+                continue
+            ndim = sum(1 for d in parsed.dims if not d.ellipsis)
+            _, probs = _bind(parsed, self.mesh, ndim)
+            problems += [f"{path} {str(spec)!r}: {p}" for p in probs]
+        if problems:
+            raise SpecError(_report(self.name, "out_specs", problems))
+        self._out_specs_checked = True
 
     def _plan_outputs(self, out, leaves, treedef):
         mesh = self.mesh
@@ -249,7 +276,7 @@ class _ShardMapped:
                     if shape[d] % g.size:
                         problems.append(
                             f"{path} (local shape {shape}) with spec {str(spec)!r}: dim {d} of size {shape[d]} "
-                            f"is reduce-scattered over {sc} (size {g.size}), which does not divide it; "
+                            f"is reduce-scattered over {' '.join(sc)} (size {g.size}), which does not divide it; "
                             f"pad it to {-(-shape[d] // g.size) * g.size}"
                         )
                     scatter.append((d, g))
@@ -275,11 +302,13 @@ class _ShardMapped:
             if extra:
                 axes = mesh.names_of(extra)
                 ax = ", ".join(axes)
+                tup = repr(axes[0]) if len(axes) == 1 else repr(axes)
+                word = "axis" if len(axes) == 1 else "axes"
                 problems.append(
-                    f"{p.path} varies over mesh axis {ax} but out_spec {p.spec!r} says it is replicated "
-                    f"over {ax}; reduce it inside f (fs.psum / fs.pmean over {axes[0]!r}), mark it "
-                    f"as a partial sum with '| sum({' '.join(axes)})', split a dim over {axes[0]!r} in "
-                    f"the out_spec, or pass check=False if you know it is the same on every rank"
+                    f"{p.path} varies over mesh {word} {ax} but out_spec {p.spec!r} says it is replicated "
+                    f"over {ax}; reduce it inside f (fs.psum / fs.pmean over {tup}), mark it as a "
+                    f"partial sum with '| sum({' '.join(axes)})', split a dim over {ax} in the "
+                    f"out_spec, or pass check=False if you know it is the same on every rank"
                 )
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems, kind="replication check"))
@@ -314,6 +343,15 @@ def _localize(x, p: _InPlan, tr, mesh):
         x = relayout(x.local, mesh, x.layout, p.layout)
     if p.bits:
         _vma.tag(x, tr, p.bits)
+    return x
+
+
+def _vary_out(x, p: _OutPlan, tr):
+    if p.kind == "pass" or not p.allowed or not x.requires_grad:
+        return x
+    v = _vma.get(x, tr)
+    if p.allowed & ~v:
+        return _vma.pvary(x, tr, v, v | p.allowed)
     return x
 
 
@@ -355,16 +393,58 @@ def _broadcast_specs(specs, tree, what, name, root):
     try:
         full = optree.broadcast_prefix(specs, tree, is_leaf=lambda s: isinstance(s, (str, Spec)))
     except ValueError as e:
+        where = "arguments" if root == "args" else "outputs"
+        why = _mismatch(specs, tree, what, root) or str(e).split("\n")[0][:300]
         fix = (
             "give one spec per positional argument (a tuple), or one spec for a whole subtree"
             if root == "args"
             else "give one spec per output, or one spec for a whole subtree"
         )
         raise SpecError(
-            f"fs.shard_map({name}): {what} does not match the structure of the "
-            f"{'arguments' if root == 'args' else 'outputs'}:\n  {e}\nfix: {fix}"
+            f"fs.shard_map({name}): {what} does not match the structure of the {where}: {why}\nfix: {fix}"
         ) from None
     return full, paths
+
+
+def _describe(x) -> str:
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)}"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if isinstance(x, (torch.Tensor, Sharded)):
+        return f"a {type(x).__name__} of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def _mismatch(specs, tree, spath: str, tpath: str) -> str | None:
+    """The first place where a spec prefix tree and a value tree part ways, in words."""
+    if isinstance(specs, (str, Spec)):
+        return None
+    if isinstance(specs, dict):
+        if not isinstance(tree, dict):
+            return f"{spath} is {_describe(specs)} but {tpath} is {_describe(tree)}"
+        if set(specs) != set(tree):
+            return f"{spath} has keys {sorted(map(str, specs))} but {tpath} has keys {sorted(map(str, tree))}"
+        for k in specs:
+            got = _mismatch(specs[k], tree[k], f"{spath}[{k!r}]", f"{tpath}[{k!r}]")
+            if got:
+                return got
+        return None
+    if isinstance(specs, (list, tuple)):
+        if not isinstance(tree, (list, tuple)):
+            return f"{spath} is {_describe(specs)} but {tpath} is {_describe(tree)}"
+        if len(specs) != len(tree):
+            if tpath == "args":
+                return f"{spath} has {len(specs)} entries but f got {len(tree)} positional arguments"
+            return f"{spath} has {len(specs)} entries but {tpath} has {len(tree)}"
+        for i, (a, b) in enumerate(zip(specs, tree)):
+            got = _mismatch(a, b, f"{spath}[{i}]", f"{tpath}[{i}]")
+            if got:
+                return got
+        return None
+    if specs is None:
+        return f"{spath} is None but {tpath} is {_describe(tree)}; use '...' for a replicated value"
+    return None
 
 
 def _indent(text: str) -> str:

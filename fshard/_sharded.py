@@ -8,6 +8,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from . import _comm
 from ._collectives import AllGatherInvariant, AllToAll, LocalSlice
 from ._errors import MeshError, SpecError
 from ._layout import Layout, bind, divisibility_problems
@@ -16,7 +17,9 @@ from ._mesh import Mesh
 __all__ = ["Sharded", "shard", "from_dtensor"]
 
 
-def _bind_or_raise(spec, mesh: Mesh, ndim: int, shape, where: str, check_div: bool = True) -> Layout:
+def _bind_or_raise(
+    spec, mesh: Mesh, ndim: int, shape, where: str, check_div: bool = True, shape_word: str = "shape"
+) -> Layout:
     if isinstance(spec, Layout):
         layout, problems = spec, ()
     else:
@@ -28,7 +31,7 @@ def _bind_or_raise(spec, mesh: Mesh, ndim: int, shape, where: str, check_div: bo
         problems.append("a partial-sum spec (| sum(...)) describes a shard_map output, not a stored value")
     if problems:
         body = "\n".join(f"  - {p}" for p in problems)
-        raise SpecError(f"{where}: spec {str(spec)!r} for shape {tuple(shape)} on {mesh!r}:\n{body}")
+        raise SpecError(f"{where}: spec {str(spec)!r} for {shape_word} {tuple(shape)} on {mesh!r}:\n{body}")
     return layout
 
 
@@ -51,11 +54,11 @@ class Sharded:
 
     def __init__(self, local: torch.Tensor, mesh: Mesh, spec):
         if not isinstance(local, torch.Tensor):
-            raise TypeError(f"Sharded needs a torch.Tensor local block, got {type(local).__name__}")
+            raise TypeError(f"fs.Sharded needs a torch.Tensor local block, got {type(local).__name__}")
         self.local = local
         self.mesh = mesh
         self.layout = spec if isinstance(spec, Layout) else _bind_or_raise(
-            spec, mesh, local.dim(), local.shape, "fs.Sharded", check_div=False
+            spec, mesh, local.dim(), local.shape, "fs.Sharded", check_div=False, shape_word="local shape"
         )
 
     # -- global description -----------------------------------------------------------------
@@ -175,17 +178,11 @@ def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout) -> torch.Tensor:
             remove[d] = pa[k:]
         if pb[k:]:
             add[d] = pb[k:]
-    # Splits that move from one dim to another: one all_to_all each.
-    moved = {}
-    if all(len(v) == 1 for v in remove.values()) and all(len(v) == 1 for v in add.values()):
-        src = {v[0]: d for d, v in remove.items()}
-        dst = {v[0]: d for d, v in add.items()}
-        if set(src) == set(dst) and all(src[ax] != dst[ax] for ax in src):
-            moved = {ax: (src[ax], dst[ax]) for ax in src}
-    if moved and len(moved) == len(remove):
-        for ax, (i, j) in moved.items():
-            x = AllToAll.apply(x, mesh.axis_group(ax), j, i)
-        return x
+    # A split that moves from one dim to another (innermost on both): one all_to_all.
+    if len(remove) == 1 and len(add) == 1:
+        (i, ra), (j, rb) = next(iter(remove.items())), next(iter(add.items()))
+        if i != j and ra == rb and len(ra) == 1:
+            return AllToAll.apply(x, mesh.axis_group(ra[0]), j, i)
     for d, axes in remove.items():
         x = AllGatherInvariant.apply(x, mesh.axis_group(axes), d, True)
     for d, axes in add.items():
@@ -237,12 +234,15 @@ def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -
     # scatter from one rank
     if not dist.is_initialized():
         return shard(x, mesh, spec)
-    meta = [None]
+    meta: list = [None]
     if dist.get_rank() == src:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"fs.shard(src={src}) needs a tensor on rank {src}, got {type(x).__name__}")
-        meta = [(tuple(x.shape), x.dtype)]
-    dist.broadcast_object_list(meta, src=src)
+        if isinstance(x, torch.Tensor):
+            meta = [(tuple(x.shape), x.dtype)]
+        else:  # tell every rank, so all of them raise instead of waiting in the scatter
+            meta = [f"fs.shard(src={src}) needs a tensor on rank {src}, got {type(x).__name__}"]
+    _comm.broadcast_object(meta, src)
+    if isinstance(meta[0], str):
+        raise TypeError(meta[0])
     shape, dtype = meta[0]
     layout = _bind_or_raise(spec, mesh, len(shape), shape, "fs.shard")
     local_shape = layout.local_shape(shape, mesh.shape)
@@ -261,7 +261,7 @@ def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -
                     n = shape[d] // math.prod(mesh.shape[a] for a in axes)
                     blk = blk.narrow(d, idx * n, n)
             blocks.append(blk.contiguous().to(mesh.device))
-    dist.scatter(out, blocks, src=src)
+    _comm.scatter(out, blocks, src)
     return Sharded(out, mesh, layout)
 
 

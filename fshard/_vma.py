@@ -14,6 +14,8 @@ data-parallel data still gets exactly one gradient reduction.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -25,15 +27,23 @@ _ATTR = "_fshard_vma"
 _Tensor = torch.Tensor
 
 
-class Trace:
-    """State of one running shard_map call on this rank."""
+_ids = itertools.count(1)
 
-    __slots__ = ("mesh", "pvary_cache", "where")
+
+class Trace:
+    """State of one running shard_map call on this rank.
+
+    Tags on tensors hold the trace's integer ``id`` (not the trace), so tensors stay
+    picklable and keep nothing alive after the call.
+    """
+
+    __slots__ = ("mesh", "pvary_cache", "where", "id")
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh
         self.where = where
         self.pvary_cache: dict = {}
+        self.id = next(_ids)
 
 
 _stack: list[Trace] = []
@@ -61,7 +71,7 @@ _unwrap = torch._C._functorch.get_unwrapped
 def get(t, tr: Trace) -> int:
     """The varying-axes mask of ``t`` in trace ``tr`` (0: invariant)."""
     tag = getattr(t, _ATTR, None)
-    if tag is not None and tag[0] is tr:
+    if tag is not None and tag[0] == tr.id:
         return tag[1]
     if _is_wrapped(t):  # inside torch.func transforms: the mask lives on the unwrapped tensor
         return get(_unwrap(t), tr)
@@ -70,7 +80,7 @@ def get(t, tr: Trace) -> int:
 
 def tag(t, tr: Trace, bits: int):
     """Mark ``t`` as varying over ``bits`` in ``tr``; returns ``t``."""
-    setattr(t, _ATTR, (tr, bits))
+    setattr(t, _ATTR, (tr.id, bits))
     return t
 
 
@@ -88,7 +98,12 @@ class _Pvary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
+        if torch.is_grad_enabled():  # double backward: keep the psum differentiable
+            return PSUM.apply(ct, ctx.g), None
         return _comm.all_reduce(ct, ctx.g), None
+
+
+PSUM = None  # the differentiable psum Function; set by _collectives (which imports this module)
 
 
 def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
@@ -96,7 +111,7 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     missing = want & ~have
     if not missing or not (x.requires_grad and torch.is_grad_enabled()):
         return x
-    key = (id(x), missing)
+    key = (id(x), x._version, missing)
     hit = tr.pvary_cache.get(key)
     if hit is not None:
         return hit[1]
@@ -126,12 +141,13 @@ def _cast_args(seq, tr: Trace, union: int):
 
 
 def _tag_out(out, tr: Trace, bits: int) -> None:
+    tag = (tr.id, bits)
     if isinstance(out, _Tensor):
-        setattr(out, _ATTR, (tr, bits))
+        setattr(out, _ATTR, tag)
     elif isinstance(out, (tuple, list)):
         for o in out:
             if isinstance(o, _Tensor):
-                setattr(o, _ATTR, (tr, bits))
+                setattr(o, _ATTR, tag)
 
 
 class VmaMode(TorchFunctionMode):
@@ -143,10 +159,16 @@ class VmaMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
+        tid = tr.id
         if kwargs is None:
             kwargs = {}
         if func is torch.autograd.grad:
             return _autograd_grad(tr, args, kwargs)
+        foreach = _FOREACH.get(func)
+        if foreach is None:
+            foreach = _FOREACH[func] = getattr(func, "__name__", "").startswith("_foreach_")
+        if foreach:
+            return _foreach(func, tr, args, kwargs)
         # Union of the operands' masks, noting whether they differ (hot path: keep it flat).
         union = 0
         first = -1
@@ -155,12 +177,12 @@ class VmaMode(TorchFunctionMode):
             for a in seq:
                 if isinstance(a, _Tensor):
                     t = getattr(a, _ATTR, None)
-                    v = t[1] if t is not None and t[0] is tr else get(a, tr)
+                    v = t[1] if t is not None and t[0] == tid else get(a, tr)
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
                         if isinstance(b, _Tensor):
                             t = getattr(b, _ATTR, None)
-                            v = t[1] if t is not None and t[0] is tr else get(b, tr)
+                            v = t[1] if t is not None and t[0] == tid else get(b, tr)
                             if first < 0:
                                 first = v
                             elif v != first:
@@ -182,6 +204,32 @@ class VmaMode(TorchFunctionMode):
         if union:  # also covers `p.grad`: a gradient varies like its primal
             _tag_out(out, tr, union)
         return out
+
+
+_FOREACH: dict = {}
+
+
+def _foreach(func, tr: Trace, args, kwargs):
+    """``torch._foreach_*``: element i of each list operand lines up; tag output i on its own."""
+    lists = [a for a in args if type(a) in (list, tuple)]
+    n = len(lists[0]) if lists else 0
+    shared = 0
+    for a in args:
+        if isinstance(a, _Tensor):
+            shared |= get(a, tr)
+    masks = []
+    for i in range(n):
+        m = shared
+        for lst in lists:
+            if i < len(lst) and isinstance(lst[i], _Tensor):
+                m |= get(lst[i], tr)
+        masks.append(m)
+    out = func(*args, **kwargs)
+    targets = out if isinstance(out, (list, tuple)) else (lists[0] if lists and out is None else ())
+    for t, m in zip(targets, masks):
+        if isinstance(t, _Tensor):
+            setattr(t, _ATTR, (tr.id, m))
+    return out
 
 
 def _autograd_grad(tr: Trace, args, kwargs):
