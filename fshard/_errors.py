@@ -36,3 +36,20 @@ class RankError(FshardError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.rank, self.remote_traceback))
+
+
+def did_you_mean(name: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the one closest choice, or ``""`` when none is close or two tie.
+
+    A choice with the same letters (a transposition, ``pd`` for ``dp``) wins outright.
+    """
+    import difflib
+
+    choices = list(choices)
+    same = [c for c in choices if sorted(c) == sorted(name) and c != name]
+    if len(same) == 1:
+        return f" (did you mean {same[0]!r}?)"
+    scored = sorted(((difflib.SequenceMatcher(None, name, c).ratio(), c) for c in choices), reverse=True)
+    if not scored or scored[0][0] < 0.5 or (len(scored) > 1 and scored[1][0] == scored[0][0]):
+        return ""
+    return f" (did you mean {scored[0][1]!r}?)"

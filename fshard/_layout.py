@@ -7,11 +7,11 @@ returns problems as strings so that shard_map can report every failure of a call
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 from dataclasses import dataclass
 
+from ._errors import did_you_mean
 from ._spec import Spec, parse_spec
 
 __all__ = ["Layout", "bind"]
@@ -57,8 +57,7 @@ class Layout:
 
 
 def _did_you_mean(name: str, axes: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(name, axes, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return did_you_mean(name, axes)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -7,7 +7,6 @@ per-axis process groups; groups over several axes at once are made on first use.
 
 from __future__ import annotations
 
-import difflib
 import keyword
 import math
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._errors import CollectiveError, MeshError
+from ._errors import CollectiveError, MeshError, did_you_mean
 
 __all__ = ["Mesh"]
 
@@ -226,8 +225,7 @@ class Mesh:
             )
         for n in names:
             if n not in self._shape:
-                close = difflib.get_close_matches(n, self._names, n=1, cutoff=0.5)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                hint = did_you_mean(n, self._names)
                 raise CollectiveError(f"fs.{where}: {n!r} is not an axis of {self!r}{hint}")
         if len(set(names)) != len(names):
             raise CollectiveError(f"fs.{where}: axis {axis!r} names an axis twice")
