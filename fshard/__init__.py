@@ -1,7 +1,7 @@
 """fshard: JAX-style functional sharding on PyTorch.
 
 Write a per-shard function over plain tensors, annotate inputs and outputs with
-einops-style partition specs, and wrap it in :func:`shard_map`::
+einops-style partition specs, and wrap it in `shard_map`::
 
     import fshard as fs
 

@@ -1,4 +1,4 @@
-"""Functional gradients over pytrees of tensors and :class:`Sharded` values."""
+"""Functional gradients over pytrees of tensors and `Sharded` values."""
 
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
 
     Works on plain tensors inside a ``shard_map``'d function (a whole training step inside
     shard_map) and on global values outside it (differentiating a ``shard_map``'d function).
-    Gradients have the structure of the differentiated argument; a :class:`Sharded` leaf gets
+    Gradients have the structure of the differentiated argument; a `Sharded` leaf gets
     a Sharded gradient in its own layout, a plain tensor its full gradient. ``f`` must
     return a scalar tensor (or ``(scalar, aux)`` with ``has_aux=True``).
 
-    Example:
+    Examples:
         >>> loss_and_grads = fs.value_and_grad(loss_fn)
         >>> loss, grads = loss_and_grads(params, batch)
     """
@@ -86,9 +86,9 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
 
 
 def grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False):
-    """Like :func:`value_and_grad`, returning only the gradient (and aux with ``has_aux``).
+    """Like `value_and_grad`, returning only the gradient (and aux with ``has_aux``).
 
-    Example:
+    Examples:
         >>> grads = fs.grad(loss_fn)(params, batch)
     """
     vg = value_and_grad(f, argnums, has_aux=has_aux)

@@ -302,7 +302,7 @@ def psum(x: torch.Tensor, axis) -> torch.Tensor:
     multiplied by the axis size without communication (that is the definition, as in JAX).
     Gradient: the cotangent passes through unchanged (pvary); no communication.
 
-    Example:
+    Examples:
         >>> @fs.shard_map(mesh=mesh, in_specs=("b (tp k)", "(tp k) n"), out_specs="b n")
         ... def matmul(a, b):
         ...     return fs.psum(a @ b, "tp")
@@ -321,7 +321,7 @@ def psum(x: torch.Tensor, axis) -> torch.Tensor:
 def pmean(x: torch.Tensor, axis) -> torch.Tensor:
     """Mean of ``x`` over mesh axis ``axis``: ``psum(x, axis) / axis_size(axis)``.
 
-    Example:
+    Examples:
         >>> loss = fs.pmean(local_loss, "dp")
     """
     _, g, _, _ = _prologue(x, axis, "pmean")
@@ -349,16 +349,16 @@ def pmax(x: torch.Tensor, axis) -> torch.Tensor:
     among ties (as ``torch.amax`` does over the stacked values); it costs one all-reduce of
     the tie counts in the backward.
 
-    Example:
+    Examples:
         >>> m = fs.pmax(scores.amax(-1), "tp")
     """
     return _extremum(x, axis, dist.ReduceOp.MAX, "pmax")
 
 
 def pmin(x: torch.Tensor, axis) -> torch.Tensor:
-    """Elementwise minimum over ``axis``; invariant over ``axis``. Gradient as :func:`pmax`.
+    """Elementwise minimum over ``axis``; invariant over ``axis``. Gradient as `pmax`.
 
-    Example:
+    Examples:
         >>> lo = fs.pmin(x.amin(), "dp")
     """
     return _extremum(x, axis, dist.ReduceOp.MIN, "pmin")
@@ -375,7 +375,7 @@ def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False, *, inva
     invariant over ``axis`` (so it may be returned with a replicated out_spec) and its
     gradient is this rank's slice of the cotangent, with no communication.
 
-    Example:
+    Examples:
         >>> w = fs.all_gather(w_shard, "dp", dim=0, tiled=True)   # FSDP parameter
     """
     tr, g, bits, v = _prologue(x, axis, "all_gather")
@@ -394,7 +394,7 @@ def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False) -> to
     ``tiled=True`` it must be divisible by the axis size and shrinks by it. The result
     varies over ``axis``; the gradient is an ``all_gather``.
 
-    Example:
+    Examples:
         >>> y_block = fs.psum_scatter(partial_y, "tp", dim=0, tiled=True)
     """
     tr, g, bits, v = _prologue(x, axis, "psum_scatter")
@@ -416,7 +416,7 @@ def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int) -> torch.
     ``split_dim`` shrinks by the axis size and ``concat_dim`` grows by it. The gradient is
     the same all-to-all with the two dims swapped.
 
-    Example:
+    Examples:
         >>> # sequence parallel -> head parallel: (b, s/n, h, d) -> (b, s, h/n, d)
         >>> q = fs.all_to_all(q, "sp", split_dim=2, concat_dim=1)
     """
@@ -434,7 +434,7 @@ def ppermute(x: torch.Tensor, axis, perm) -> torch.Tensor:
     An index that no pair sends to receives zeros. The gradient is the ppermute with the
     pairs reversed.
 
-    Example:
+    Examples:
         >>> n = fs.axis_size("pp")
         >>> nxt = fs.ppermute(h, "pp", [(i, (i + 1) % n) for i in range(n)])
     """
@@ -463,7 +463,7 @@ def pbroadcast(x: torch.Tensor, axis, src: int = 0) -> torch.Tensor:
 
     Gradient: the cotangent stays on the source index; other indices get zeros.
 
-    Example:
+    Examples:
         >>> w = fs.pbroadcast(w, "dp", src=0)
     """
     tr, g, bits, v = _prologue(x, axis, "pbroadcast")
@@ -480,7 +480,7 @@ def pvary(x: torch.Tensor, axis) -> torch.Tensor:
     shard_map inserts this implicitly wherever an invariant value meets a varying one;
     call it yourself only to make a value's type explicit.
 
-    Example:
+    Examples:
         >>> w_v = fs.pvary(w, "dp")
     """
     tr, g, bits, v = _prologue(x, axis, "pvary")
@@ -498,7 +498,7 @@ def _view(x):
 def axis_index(axis) -> torch.Tensor:
     """This rank's index along ``axis`` as a 0-dim int64 tensor that varies over ``axis``.
 
-    Example:
+    Examples:
         >>> offset = fs.axis_index("tp") * local_vocab
     """
     tr = _vma.current("axis_index")
@@ -511,7 +511,7 @@ def axis_index(axis) -> torch.Tensor:
 def axis_size(axis) -> int:
     """The size of ``axis`` (product of sizes for a tuple), as a Python int.
 
-    Example:
+    Examples:
         >>> n = fs.axis_size(("dp", "tp"))
     """
     tr = _vma.current("axis_size")

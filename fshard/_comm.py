@@ -1,6 +1,6 @@
-"""Raw communication on an :class:`AxisGroup`, plus collective counting.
+"""Raw communication on an `AxisGroup`, plus collective counting.
 
-Every byte fshard moves goes through a function here, so :func:`count_collectives` sees
+Every byte fshard moves goes through a function here, so `count_collectives` sees
 all of it (forward and backward). These functions know nothing of autograd or of
 varying-axes tracking; ``_collectives.py`` builds the differentiable primitives on them.
 All of them run with torch-function handling disabled so that shard_map's tracking mode
@@ -23,7 +23,7 @@ __all__ = ["count_collectives", "CollectiveCounts"]
 
 @dataclass
 class CollectiveCounts:
-    """What :func:`count_collectives` saw: one ``(kind, axes, nbytes)`` record per call.
+    """What `count_collectives` saw: one ``(kind, axes, nbytes)`` record per call.
 
     ``kind`` is one of ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
     ``ppermute``, ``broadcast``, ``scatter``; ``axes`` is the tuple of mesh axes;
@@ -59,9 +59,9 @@ def count_collectives():
     """Count the collectives fshard issues inside the block, forward and backward.
 
     Yields:
-        A :class:`CollectiveCounts` filled in as collectives run.
+        CollectiveCounts: filled in as collectives run.
 
-    Example:
+    Examples:
         >>> with fs.count_collectives() as counts:
         ...     loss = step(params, batch)
         ...     loss.backward()

@@ -2,15 +2,15 @@
 
 Three entry points:
 
-* :func:`init` joins (or creates) the default ``torch.distributed`` process group from the
+* `init` joins (or creates) the default ``torch.distributed`` process group from the
   environment that ``torchrun`` / ``python -m fshard.run`` set, or makes a 1-rank world.
-* :func:`launch` runs one function on ``nprocs`` freshly spawned local ranks and returns the
+* `launch` runs one function on ``nprocs`` freshly spawned local ranks and returns the
   per-rank results.
-* :class:`RankPool` keeps ``nprocs`` ranks alive so that many functions can run on the same world
+* `RankPool` keeps ``nprocs`` ranks alive so that many functions can run on the same world
   without paying the interpreter and ``import torch`` start-up each time (the test-suite uses it).
 
-:func:`launch` is a one-shot :class:`RankPool`; both share the worker machinery below. Failures are
-reported as :class:`~fshard._errors.RankError` carrying the failing rank and its remote traceback;
+`launch` is a one-shot `RankPool`; both share the worker machinery below. Failures are
+reported as `fshard._errors.RankError` carrying the failing rank and its remote traceback;
 the surviving ranks are killed (SIGTERM, then SIGKILL) after a short grace period, so a rank that
 is blocked in a collective waiting for a dead peer never hangs the caller.
 """
@@ -128,7 +128,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and ``LOCAL_RANK`` which defaults to
     ``RANK``). If none of them is set, a 1-rank world (rank 0 of 1) is created on a free local
     port, so the same script also runs as plain ``python script.py``. Calling ``init`` when the
-    default group already exists (second call, or inside :func:`launch` / :class:`RankPool`) does
+    default group already exists (second call, or inside `launch` / `RankPool`) does
     nothing.
 
     Args:
@@ -140,10 +140,10 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
     Raises:
         FshardError: the environment is only partially configured, or holds non-integers.
 
-    Example:
+    Examples:
         >>> import torch, torch.distributed as dist
-        >>> from fshard._launch import init
-        >>> init()                      # python -m fshard.run -n 4 this_script.py
+        >>> import fshard as fs
+        >>> fs.init()                   # python -m fshard.run -n 4 this_script.py
         >>> t = torch.ones(1)
         >>> dist.all_reduce(t)          # t == world size
     """
@@ -438,13 +438,13 @@ class RankPool:
     The ranks are spawned (start method ``"spawn"``) when the pool is created; each one sets
     ``torch.set_num_threads(threads)``, joins the default process group once (backend ``gloo`` on
     CPU, ``nccl`` with GPU ``rank`` when there are at least ``nprocs`` GPUs; a 60 s collective
-    timeout as a backstop), and then serves jobs. :meth:`run` sends ``fn(*args, **kwargs)`` to every
+    timeout as a backstop), and then serves jobs. `run` sends ``fn(*args, **kwargs)`` to every
     rank and returns the results in rank order.
 
     If a rank raises or dies, the other ranks get a grace period of a few seconds to finish, are then
-    killed (SIGTERM, then SIGKILL), and :class:`~fshard._errors.RankError` is raised; the pool is
-    rebuilt transparently by the next :meth:`run`. Jobs must not leave collectives pending, since
-    nothing is reset between jobs. Not thread-safe: one :meth:`run` at a time.
+    killed (SIGTERM, then SIGKILL), and `fshard._errors.RankError` is raised; the pool is
+    rebuilt transparently by the next `run`. Jobs must not leave collectives pending, since
+    nothing is reset between jobs. Not thread-safe: one `run` at a time.
 
     Args:
         nprocs: number of ranks (world size).
@@ -453,11 +453,11 @@ class RankPool:
         threads: intra-op threads per rank (``torch.set_num_threads``).
         grace: seconds the other ranks get to finish after a rank failed, before being killed.
 
-    Example:
+    Examples:
         >>> import torch.distributed as dist
         >>> def whoami():                       # module level, so it pickles by reference
         ...     return dist.get_rank()
-        >>> with RankPool(2) as pool:
+        >>> with fs.RankPool(2) as pool:
         ...     pool.run(whoami)
         [0, 1]
     """
@@ -512,8 +512,8 @@ class RankPool:
     def close(self) -> None:
         """Stop the ranks (they destroy their process group and exit). Idempotent.
 
-        Example:
-            >>> pool = RankPool(2)
+        Examples:
+            >>> pool = fs.RankPool(2)
             >>> pool.close()
         """
         self._closed = True
@@ -542,13 +542,13 @@ class RankPool:
                 includes their Python stacks). The pool restarts on the next call.
             FshardError: the pool is closed, or ``fn``/arguments cannot be pickled.
 
-        Example:
+        Examples:
             >>> import torch, torch.distributed as dist
             >>> def total(x):
             ...     t = torch.tensor([x * (dist.get_rank() + 1)])
             ...     dist.all_reduce(t)
             ...     return t.item()
-            >>> with RankPool(2) as pool:
+            >>> with fs.RankPool(2) as pool:
             ...     pool.run(total, 10)
             [30, 30]
         """
@@ -700,7 +700,7 @@ def launch(
 
     Each rank is a new process (start method ``"spawn"``) that joins the default process group
     (``gloo`` on CPU; ``nccl`` with one GPU per rank when CUDA has ``>= nprocs`` devices), runs
-    ``fn``, and destroys the group. This is a one-shot :class:`RankPool` (one thread per rank), so
+    ``fn``, and destroys the group. This is a one-shot `RankPool` (one thread per rank), so
     the same rules apply: ``fn`` must be a module-level function, and arguments and results must
     pickle. If the caller is a script, guard its entry point with ``if __name__ == "__main__":``
     because spawned ranks re-import the main module.
@@ -721,13 +721,13 @@ def launch(
             raising (exit code), or the call timed out; the remaining ranks are killed within a few
             seconds, even if they are blocked in a collective.
 
-    Example:
+    Examples:
         >>> import torch, torch.distributed as dist
         >>> def rank_sum():
         ...     t = torch.tensor([dist.get_rank()])
         ...     dist.all_reduce(t)
         ...     return t.item()
-        >>> launch(rank_sum, 4)
+        >>> fs.launch(rank_sum, 4)
         [6, 6, 6, 6]
     """
     with RankPool(nprocs, backend=backend) as pool:

@@ -1,4 +1,4 @@
-"""Binding a parsed spec to a mesh and a tensor rank: the :class:`Layout`.
+"""Binding a parsed spec to a mesh and a tensor rank: the `Layout`.
 
 A layout says, for each tensor dimension, which mesh axes split it (major first), plus the
 axes over which the value is an unreduced partial sum. Binding is pure and cached; it

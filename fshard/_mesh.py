@@ -1,6 +1,6 @@
 """Named device meshes over torch.distributed process groups.
 
-A :class:`Mesh` names the axes of a row-major grid of ranks (rank = dp_index * tp_size +
+A `Mesh` names the axes of a row-major grid of ranks (rank = dp_index * tp_size +
 tp_index for ``Mesh(dp=2, tp=2)``). It is built on torch's ``DeviceMesh``, which owns the
 per-axis process groups; groups over several axes at once are made on first use.
 """
@@ -61,7 +61,7 @@ class Mesh:
             torch.distributed is not initialized for a mesh of more than one rank, or for a
             bad axis name or size.
 
-    Example:
+    Examples:
         >>> import fshard as fs
         >>> fs.init()                      # one rank when run as a plain script
         >>> mesh = fs.Mesh(dp=1)
@@ -98,7 +98,7 @@ class Mesh:
     def from_device_mesh(cls, device_mesh) -> "Mesh":
         """Wrap an existing torch ``DeviceMesh`` with named dims.
 
-        Example:
+        Examples:
             >>> from torch.distributed.device_mesh import init_device_mesh
             >>> dm = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
             >>> fs.Mesh.from_device_mesh(dm).axis_names
@@ -232,7 +232,7 @@ class Mesh:
         return names
 
     def axis_group(self, axis, where: str = "collective") -> AxisGroup:
-        """The cached :class:`AxisGroup` for an axis or tuple of axes."""
+        """The cached `AxisGroup` for an axis or tuple of axes."""
         key = axis if type(axis) is tuple else tuple(axis) if type(axis) is list else (axis,)
         got = self._groups.get(key)
         if got is not None:

@@ -36,10 +36,11 @@ def shard_map(f=None, /, *, mesh: Mesh, in_specs, out_specs, check: bool = True)
         f: the per-shard function. It receives plain local ``torch.Tensor`` blocks (non-tensor
             leaves pass through) and may call the named-axis collectives (``fs.psum``, ...).
             Omit it to use ``shard_map`` as a decorator.
-        mesh: the :class:`Mesh`.
+        mesh: the `Mesh`.
         in_specs: a pytree prefix of the positional arguments: one spec per argument,
             or one spec for a whole subtree (a dict of parameters). A spec is einops-style
-            text such as ``"(dp b) s (tp d)"``; ``"..."`` means replicated.
+            text such as ``"(dp b) s (tp d)"``; ``"..."`` (or None) means replicated.
+            Non-tensor leaves (ints, floats, strings) pass through whatever their spec.
         out_specs: a pytree prefix of ``f``'s output. A spec may end in ``| sum(axes)`` to
             mark an unreduced partial sum, reduced on the way out (an all-reduce, or a
             reduce-scatter when the summed axis also splits a dim).
@@ -48,14 +49,14 @@ def shard_map(f=None, /, *, mesh: Mesh, in_specs, out_specs, check: bool = True)
 
     Returns:
         The global function. A plain tensor argument is the global value (the same on
-        every rank) and is sliced locally; a :class:`Sharded` argument is used as is, or
+        every rank) and is sliced locally; a `Sharded` argument is used as is, or
         re-laid-out if its layout differs. Outputs whose spec splits a dim are
-        :class:`Sharded`; others are plain tensors, the same on every rank.
+        `Sharded`; others are plain tensors, the same on every rank.
 
     Raises:
         SpecError: for bad specs, shapes or pytrees, naming each argument's key path.
 
-    Example:
+    Examples:
         >>> mesh = fs.Mesh(dp=2, tp=2)
         >>> @fs.shard_map(mesh=mesh, in_specs=("(dp b) (tp k)", "(tp k) n"), out_specs="(dp b) n")
         ... def matmul(x, w):
@@ -386,10 +387,14 @@ def _broadcast_specs(specs, tree, what, name, root):
     """Broadcast a spec prefix tree over ``tree``: (spec per leaf, key path per leaf)."""
     accessors, _, _ = optree.tree_flatten_with_accessor(tree)
     paths = [a.codify(root) for a in accessors]
+    if specs is None:
+        specs = "..."
     if isinstance(specs, (str, Spec)):
         return [specs] * len(paths), paths
     if root == "args" and isinstance(specs, list):
         specs = tuple(specs)
+    # None as a spec means replicated ("..."), as P() does in JAX.
+    specs = optree.tree_map(lambda s: "..." if s is None else s, specs, none_is_leaf=True)
     try:
         full = optree.broadcast_prefix(specs, tree, is_leaf=lambda s: isinstance(s, (str, Spec)))
     except ValueError as e:
@@ -442,8 +447,6 @@ def _mismatch(specs, tree, spath: str, tpath: str) -> str | None:
             if got:
                 return got
         return None
-    if specs is None:
-        return f"{spath} is None but {tpath} is {_describe(tree)}; use '...' for a replicated value"
     return None
 
 

@@ -1,4 +1,4 @@
-"""Global values that live split across ranks: :class:`Sharded`, :func:`shard`, DTensor interop."""
+"""Global values that live split across ranks: `Sharded`, `shard`, DTensor interop."""
 
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ class Sharded:
     """A global tensor stored as one block per rank: the local block, the mesh and the layout.
 
     ``shape`` and ``dtype`` describe the global value; ``local`` is this rank's block.
-    Build one with :func:`shard` or get one from a ``shard_map`` output whose spec splits
+    Build one with `shard` or get one from a ``shard_map`` output whose spec splits
     a dimension. Sharded values are optree leaves.
 
-    Example:
+    Examples:
         >>> w = fs.shard(torch.randn(8, 4), mesh, "(tp n) k")
         >>> w.shape, w.local.shape         # on a mesh with tp=2
         (torch.Size([8, 4]), torch.Size([4, 4]))
@@ -130,7 +130,7 @@ class Sharded:
         A split that disappears is all-gathered, a new split is a local slice (no
         communication), and a split that moves from one dim to another is one all_to_all.
 
-        Example:
+        Examples:
             >>> x = fs.shard(t, mesh, "(sp s) h d")
             >>> y = x.reshard("s (sp h) d")     # one all_to_all over sp
         """
@@ -201,7 +201,7 @@ def local_slices(layout: Layout, mesh: Mesh) -> tuple[tuple[int, int, int], ...]
 
 
 def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -> Sharded:
-    """Split a global tensor into a :class:`Sharded` value.
+    """Split a global tensor into a `Sharded` value.
 
     Without ``src``, every rank passes the same global tensor and keeps its own block
     (a copy, so the global tensor can be freed; no communication). With ``src=r``, only
@@ -216,7 +216,7 @@ def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -
     Raises:
         SpecError: for a spec that does not fit the tensor or the mesh.
 
-    Example:
+    Examples:
         >>> w = fs.shard(torch.randn(1024, 256), mesh, "(tp h) d")
         >>> w = fs.shard(data if rank == 0 else None, mesh, "(dp b) d", src=0)
     """
@@ -278,9 +278,9 @@ _meshes_by_dm: dict = {}
 
 
 def from_dtensor(dt) -> Sharded:
-    """A :class:`Sharded` view of a PyTorch ``DTensor`` (partial placements are reduced first).
+    """A `Sharded` view of a PyTorch ``DTensor`` (partial placements are reduced first).
 
-    Example:
+    Examples:
         >>> s = fs.from_dtensor(dtensor)
         >>> s.spec
         '(dp d0) d1'

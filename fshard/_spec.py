@@ -14,7 +14,7 @@ as written, and the binder decides later, against a mesh, what they mean (and
 reports duplicate names with that context).
 
 The parser is pure Python (no torch). Every malformed spec raises
-:class:`~fshard._errors.SpecError` with a message that quotes the spec, puts a
+`fshard._errors.SpecError` with a message that quotes the spec, puts a
 caret under the offending column and suggests a fix::
 
     invalid spec "(dp b s": unbalanced parenthesis
@@ -22,7 +22,7 @@ caret under the offending column and suggests a fix::
       ^
     fix: close the group with ")"
 
-Example:
+Examples:
     >>> spec = parse_spec("(dp b) s | sum(tp)")
     >>> spec.dims[0]
     Dim(names=('dp', 'b'), grouped=True, ellipsis=False)
@@ -58,7 +58,7 @@ class Dim:
         grouped: the dim was written in parentheses (``(b)`` is grouped, ``b`` is not).
         ellipsis: this entry is ``...`` (any number of unsplit dims).
 
-    Example:
+    Examples:
         >>> str(Dim(("dp", "b"), grouped=True))
         '(dp b)'
         >>> str(Dim((), ellipsis=True))
@@ -82,11 +82,11 @@ class Spec:
     """A parsed partition spec.
 
     Attributes:
-        dims: one :class:`Dim` per written dim entry, in order (``...`` is one entry).
+        dims: one `Dim` per written dim entry, in order (``...`` is one entry).
         partial: the mesh axes named in a ``| sum(...)`` suffix, in written order;
             ``()`` when the value is not a partial sum.
 
-    Example:
+    Examples:
         >>> spec = parse_spec("...  (tp d)|sum( dp )")
         >>> spec.has_ellipsis, spec.names(), spec.partial
         (True, ('tp', 'd'), ('dp',))
@@ -109,7 +109,7 @@ class Spec:
     def has_ellipsis(self) -> bool:
         """Whether one of the dims is ``...``.
 
-        Example:
+        Examples:
             >>> parse_spec("... d").has_ellipsis
             True
         """
@@ -118,7 +118,7 @@ class Spec:
     def names(self) -> tuple[str, ...]:
         """All names written in the dims (not the partial-sum axes), flattened, in order.
 
-        Example:
+        Examples:
             >>> parse_spec("(dp b) ... s | sum(tp)").names()
             ('dp', 'b', 's')
         """
@@ -126,7 +126,7 @@ class Spec:
 
 
 def parse_spec(text: str | Spec) -> Spec:
-    """Parse a partition spec; a :class:`Spec` passes through unchanged.
+    """Parse a partition spec; a `Spec` passes through unchanged.
 
     Results for strings are cached, so parsing the same spec again is cheap.
 
@@ -134,13 +134,13 @@ def parse_spec(text: str | Spec) -> Spec:
         text: the spec text, e.g. ``"(dp b) s (tp d)"`` or ``"b n | sum(tp)"``.
 
     Returns:
-        The parsed :class:`Spec`.
+        The parsed `Spec`.
 
     Raises:
         SpecError: ``text`` is not a string or not a valid spec; the message points
             at the offending column and suggests a fix.
 
-    Example:
+    Examples:
         >>> parse_spec("(dp b) s").dims[0]
         Dim(names=('dp', 'b'), grouped=True, ellipsis=False)
         >>> parse_spec("") == Spec(())

@@ -14,11 +14,11 @@ __all__ = ["visualize"]
 def visualize(x: Sharded | str, shape=None, mesh: Mesh | None = None) -> str:
     """Describe which ranks hold which block of a sharded value (no communication).
 
-    Pass a :class:`Sharded` value, or a spec with ``shape=`` and ``mesh=`` to see a layout
+    Pass a `Sharded` value, or a spec with ``shape=`` and ``mesh=`` to see a layout
     before building it. Blocks are listed as index ranges of the global value, with the
     ranks (and their mesh coordinates) that hold a copy.
 
-    Example:
+    Examples:
         >>> print(fs.visualize("(dp b) (tp k)", shape=(8, 6), mesh=fs.Mesh(dp=2, tp=2)))
         (8, 6) as '(dp b) (tp k)' on Mesh(dp=2, tp=2): 4 blocks of (4, 3), 1 copy each
           [0:4, 0:3]  rank 0 (dp=0 tp=0)

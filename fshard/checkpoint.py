@@ -1,8 +1,8 @@
 """Sharded checkpoints of pytrees, resharded on load, through ``torch.distributed.checkpoint``.
 
-:func:`save` writes a pytree of :class:`~fshard.Sharded` values, plain tensors (replicated:
+`save` writes a pytree of `fshard.Sharded` values, plain tensors (replicated:
 the same on every rank) and Python scalars as one DCP checkpoint: every rank writes its own
-blocks, once per distinct block (replicas are deduplicated). :func:`load` reads it back into
+blocks, once per distinct block (replicas are deduplicated). `load` reads it back into
 the layouts of a ``like`` pytree, which may live on a mesh of another shape or another world
 size: DCP works on global shapes, so a model trained at ``dp=2, tp=2`` resumes at
 ``dp=1, tp=4``, at ``dp=4``, or in one process.
@@ -14,9 +14,9 @@ tree (just ``{"params": ...}``) loads that part.
 
 With ``step=``, checkpoints are kept side by side in one directory as ``step_00000100`` and so
 on; each is written under a temporary name and renamed when complete, so an interrupted save
-never shadows the previous one, and :func:`latest_step` finds the newest complete checkpoint.
+never shadows the previous one, and `latest_step` finds the newest complete checkpoint.
 
-Example:
+Examples:
     >>> import fshard as fs
     >>> from fshard import checkpoint
     >>> mesh = fs.Mesh(dp=2, tp=2)                         # 4 ranks
@@ -66,7 +66,7 @@ def save(path, tree, *, step: int | None = None) -> str:
     Args:
         path: the checkpoint directory. With ``step``, the parent directory of the checkpoints:
             this one is written to ``path/step_{step:08d}``.
-        tree: a pytree whose leaves are :class:`~fshard.Sharded` values, ``torch.Tensor``
+        tree: a pytree whose leaves are `fshard.Sharded` values, ``torch.Tensor``
             (taken as replicated: the same global value on every rank) or Python scalars.
             ``None`` is an empty subtree. Keys are the leaves' key paths joined by ``"."``.
         step: a training step; see ``path``. An existing checkpoint of the same step is
@@ -79,7 +79,7 @@ def save(path, tree, *, step: int | None = None) -> str:
         CheckpointError: for a leaf of another type, or two leaves whose key paths join to
             the same key.
 
-    Example:
+    Examples:
         >>> state = {"params": params, "opt": opt_state}     # Sharded leaves, "step": int
         >>> fshard.checkpoint.save("out/ckpt", state, step=100)
         'out/ckpt/step_00000100'
@@ -127,10 +127,10 @@ def load(path, like, *, step: int | None = None):
     Every rank must call it with the same tree structure (a collective).
 
     Args:
-        path: a checkpoint directory written by :func:`save`, or the parent directory of
+        path: a checkpoint directory written by `save`, or the parent directory of
             ``step_*`` checkpoints, in which case the latest complete one is loaded (or
             ``step`` if given).
-        like: a pytree giving the target: a :class:`~fshard.Sharded` leaf is loaded in its
+        like: a pytree giving the target: a `fshard.Sharded` leaf is loaded in its
             layout on its mesh (the mesh and layout may differ from the saved ones; only the
             global shape must match), a ``torch.Tensor`` leaf as the full global value on
             every rank, a Python scalar as the saved scalar. The values in ``like`` are not
@@ -146,7 +146,7 @@ def load(path, like, *, step: int | None = None):
         CheckpointError: keys of ``like`` missing from the checkpoint, global shapes that differ,
             or a tensor saved where ``like`` has a scalar (all problems listed at once).
 
-    Example:
+    Examples:
         >>> mesh = fs.Mesh(dp=1, tp=4)                     # trained at dp=2, tp=2
         >>> params, specs = init(seed, cfg, mesh)          # fresh values in the new layout
         >>> like = {"params": params, "opt": opt.init(params)}
@@ -197,7 +197,7 @@ def load(path, like, *, step: int | None = None):
 def latest_step(path) -> int | None:
     """The step of the newest complete ``step_*`` checkpoint under ``path``, or None.
 
-    Example:
+    Examples:
         >>> step = fshard.checkpoint.latest_step("out/ckpt")   # None before the first save
     """
     steps = _steps(os.fspath(path))

@@ -28,7 +28,7 @@ Layouts (``--layout``): ``dp_tp`` (default: Megatron TP over tp, data parallel o
 ``fsdp_tp`` (the same, with every parameter and its optimizer state also split over dp and
 all-gathered inside the step: ZeRO-3), ``dp`` (pure data parallel), ``fsdp`` (pure FSDP).
 
-Outputs in ``--out``: ``ckpt/step_*`` (sharded checkpoints, :mod:`fshard.checkpoint`),
+Outputs in ``--out``: ``ckpt/step_*`` (sharded checkpoints, `fshard.checkpoint`),
 ``metrics.json`` (losses, evaluations, resumes) and ``loss.png`` (the loss curve).
 """
 
@@ -100,7 +100,7 @@ def param_specs(cfg: Config, layout: str) -> dict:
     the MLP's hidden units (columns of w1, rows of w2). FSDP layouts also split one other dim
     of every parameter over ``dp``; the step all-gathers it before use.
 
-    Example:
+    Examples:
         >>> param_specs(Config(n_layers=1), "fsdp_tp")["blocks"][0]["wq"]
         '(dp d) (tp e)'
     """
@@ -138,7 +138,7 @@ def init(seed: int, cfg: Config, mesh: fs.Mesh, layout: str = "dp_tp"):
     The global values depend only on ``seed`` and ``cfg`` (``fs.random.normal`` draws each
     global tensor from its own seed), so every mesh shape and layout starts from the same model.
 
-    Example:
+    Examples:
         >>> mesh = fs.Mesh(dp=2, tp=2)
         >>> params, specs = init(0, Config(), mesh, "dp_tp")
         >>> params["blocks"][0]["wq"].spec, params["blocks"][0]["wq"].local.shape
@@ -286,7 +286,7 @@ class Task:
 
     Batches are a pure function of ``(seed, step)``, so a resumed run sees the same data.
 
-    Example:
+    Examples:
         >>> t = Task(digits=3)
         >>> t.render(t.encode(torch.tensor([123]), torch.tensor([456]))[0])
         '123+456=9750'
@@ -732,7 +732,7 @@ def main(argv=None) -> int:
     ``--nprocs`` local ranks (``python -m fshard.run -n NPROCS -m fshard.demo ARGS``);
     under ``fshard.run`` or ``torchrun`` it trains on the existing world.
 
-    Example:
+    Examples:
         >>> from fshard.demo import main
         >>> main(["--steps", "200", "--out", "runs/short"])   # doctest: +SKIP
         0

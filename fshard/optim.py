@@ -5,13 +5,13 @@ An optimizer is a pair of pure functions, ``init(params) -> state`` and
 blocks, so optimizer state is laid out exactly like its parameter (an FSDP-sharded
 parameter has FSDP-sharded moments) and no update needs communication. Leaves may be
 plain tensors (inside ``shard_map``, or replicated values outside it) or
-:class:`~fshard.Sharded` values.
+`fshard.Sharded` values.
 
 Why functional rather than ``torch.optim``: parameters here are pytrees passed to and
-returned from pure functions, often as :class:`Sharded` wrappers whose local tensors are
+returned from pure functions, often as `Sharded` wrappers whose local tensors are
 replaced each step; ``torch.optim`` keys its state on tensor identity. ``torch.optim``
 over the local blocks (``[p.local for p in leaves]``) still works when the parameters are
-updated in place; :func:`local_tensors` gives that list.
+updated in place; `local_tensors` gives that list.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _join(locals_, like, treedef):
 def sgd(lr: float, momentum: float = 0.0, *, nesterov: bool = False, weight_decay: float = 0.0) -> Optimizer:
     """Stochastic gradient descent with optional momentum, as ``torch.optim.SGD`` computes it.
 
-    Example:
+    Examples:
         >>> opt = fs.optim.sgd(0.1, momentum=0.9)
         >>> state = opt.init(params)
         >>> params, state = opt.update(params, grads, state)
@@ -95,7 +95,7 @@ def adamw(
 ) -> Optimizer:
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW`` computes it.
 
-    Example:
+    Examples:
         >>> opt = fs.optim.adamw(3e-4, weight_decay=0.1)
         >>> state = opt.init(params)
         >>> params, state = opt.update(params, grads, state)
@@ -141,7 +141,7 @@ def global_norm(grads) -> torch.Tensor:
     one is counted once. Inside ``shard_map`` the varying axes of each gradient decide; on
     global values, each Sharded leaf's layout does. One all-reduce in all.
 
-    Example:
+    Examples:
         >>> norm = fs.optim.global_norm(grads)
     """
     leaves = optree.tree_leaves(grads)
@@ -184,7 +184,7 @@ def _no_tf():
 def clip_by_global_norm(grads, max_norm: float):
     """Scale ``grads`` so their global norm is at most ``max_norm``; returns ``(grads, norm)``.
 
-    Example:
+    Examples:
         >>> grads, norm = fs.optim.clip_by_global_norm(grads, 1.0)
     """
     norm = global_norm(grads)

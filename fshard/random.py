@@ -1,10 +1,10 @@
 """Seeded randomness that does not depend on the mesh.
 
-* :func:`normal` / :func:`uniform` build a parameter from a seed so that its *global* value
+* `normal` / `uniform` build a parameter from a seed so that its *global* value
   is the same whatever the mesh: a 4-rank run starts from exactly the weights of a 1-rank
   run. Each rank generates the global tensor on the CPU and keeps its block, which is
   simple and exact; it costs the global tensor's size in host memory once at init.
-* :func:`generator` and :func:`dropout` give per-shard random numbers inside ``shard_map``:
+* `generator` and `dropout` give per-shard random numbers inside ``shard_map``:
   streams differ across the mesh axes a value varies over and agree across the axes it is
   replicated over, so replicas stay identical.
 """
@@ -44,10 +44,10 @@ def normal(
 ) -> torch.Tensor | Sharded:
     """A normal tensor whose global value depends only on ``seed`` and ``shape``.
 
-    With ``mesh`` and ``spec`` the result is a :class:`Sharded` value holding this rank's
+    With ``mesh`` and ``spec`` the result is a `Sharded` value holding this rank's
     block; without, a plain tensor.
 
-    Example:
+    Examples:
         >>> w = fs.random.normal(0, (1024, 256), std=0.02, mesh=mesh, spec="(tp h) d")
     """
     t = _global(seed, shape, dtype, lambda t, g: t.normal_(mean, std, generator=g))
@@ -58,9 +58,9 @@ def uniform(
     seed: int, shape, *, low: float = 0.0, high: float = 1.0, mesh: Mesh | None = None, spec=None,
     dtype: torch.dtype = torch.float32, device=None,
 ) -> torch.Tensor | Sharded:
-    """A uniform tensor whose global value depends only on ``seed`` and ``shape`` (see :func:`normal`).
+    """A uniform tensor whose global value depends only on ``seed`` and ``shape`` (see `normal`).
 
-    Example:
+    Examples:
         >>> b = fs.random.uniform(1, (256,), low=-0.1, high=0.1, mesh=mesh, spec="(tp d)")
     """
     t = _global(seed, shape, dtype, lambda t, g: t.uniform_(low, high, generator=g))
@@ -78,7 +78,7 @@ def generator(seed: int, like: torch.Tensor | None = None, *, axes=None, device=
     The stream is seeded from ``seed`` and this rank's index along ``axes`` (by default the
     axes ``like`` varies over), so it differs across those axes and agrees across the rest.
 
-    Example:
+    Examples:
         >>> g = fs.random.generator(step, like=h)
         >>> noise = torch.randn(h.shape, generator=g)
     """
@@ -99,7 +99,7 @@ def dropout(x: torch.Tensor, p: float, seed: int, *, training: bool = True) -> t
     Ranks holding replicas of ``x`` draw the same mask, so replicas stay identical (and the
     replication check still holds); ranks holding different shards draw independent masks.
 
-    Example:
+    Examples:
         >>> h = fs.random.dropout(h, 0.1, seed=step)
     """
     if not training or p == 0.0:

@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 if every rank exited with 0; the exit code of the first failing rank (``128 + signal``
         if it was killed by a signal); ``128 + signal`` if the launcher was interrupted.
 
-    Example:
+    Examples:
         >>> from fshard.run import main
         >>> main(["-n", "2", "train.py", "--epochs", "1"])   # doctest: +SKIP
         0
