@@ -171,7 +171,9 @@ def make_weights(hidden: int, seed: int = SEED) -> dict[str, torch.Tensor]:
         "0.weight": torch.randn(f, h, generator=g) / math.sqrt(h),
         "0.bias": torch.randn(f, generator=g) * 0.1,
         "2.weight": torch.randn(h, f, generator=g) / math.sqrt(f),
-        "2.bias": torch.randn(h, generator=g) * 0.1,
+        # offset so the outputs do not cancel in sum/mean losses (keeps the loss well-conditioned for
+        # relative comparisons at float32)
+        "2.bias": 1.0 + torch.randn(h, generator=g) * 0.1,
     }
 
 

@@ -267,8 +267,21 @@ def dp_mlp_ddp(ctx: Ctx) -> Prepared:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _flat_leaves(flat, grad_flat, sizes, shapes) -> list[torch.Tensor]:
+    """Views of ``flat`` as leaf tensors whose ``.grad`` are the matching views of ``grad_flat``.
+
+    (A function, so that no loop variable keeps a view -- and with it a whole flat buffer -- alive.)
+    """
+    total = sum(sizes)
+    leaves = [v.view(s).requires_grad_(True) for v, s in zip(flat[:total].split(sizes), shapes)]
+    for leaf, g in zip(leaves, grad_flat[:total].split(sizes)):
+        leaf.grad = g.view(leaf.shape)
+    return leaves
+
+
 def fsdp_mlp_handwritten(ctx: Ctx) -> Prepared:
-    """Flat parameter shard; all_gather -> functional forward -> grads -> reduce_scatter(AVG) -> Adam."""
+    """Flat parameter shard; all_gather -> functional forward/backward into a flat grad buffer ->
+    reduce_scatter(AVG) -> optimizer on the shard."""
     W, world, group = ctx.weights, ctx.world, ctx.group
     shapes = [W[n].shape for n in PARAM_NAMES]
     sizes = [W[n].numel() for n in PARAM_NAMES]
@@ -283,17 +296,18 @@ def fsdp_mlp_handwritten(ctx: Ctx) -> Prepared:
     avg = dist.ReduceOp.AVG
 
     def step():
+        shard.grad = None
         full_flat = torch.empty(padded)
         _all_gather_flat(full_flat, shard.detach(), group=group)
-        leaves = [t.view(s).requires_grad_(True)
-                  for t, s in zip(full_flat[:total].split(sizes), shapes)]
+        gflat = torch.zeros(padded)  # backward accumulates straight into it (the .grad are views)
+        leaves = _flat_leaves(full_flat, gflat, sizes, shapes)
         loss = mlp_forward(x, *leaves).mean()
-        grads = torch.autograd.grad(loss, leaves)
-        gflat = torch.empty(padded)
-        torch.cat([g.reshape(-1) for g in grads], out=gflat[:total])
-        gflat[total:].zero_()
+        loss.backward()
+        loss = loss.detach()  # drop the graph: it holds the leaves, which hold the gathered parameters
+        del leaves, full_flat  # free the gathered parameters before communicating
         gshard = torch.empty(per_rank)
         _reduce_scatter_flat(gshard, gflat, op=avg, group=group)
+        del gflat
         shard.grad = gshard
         if opt is not None:
             opt.step()
@@ -511,12 +525,12 @@ def cases(smoke: bool) -> list[Case]:
             Case("shard_map_overhead", {"n_inputs": 16, "rows": 4, "cols": 4}, warmup=2, steps=20, rounds=2),
         ]
     return [
-        Case("tp_mlp", {"hidden": 256, "batch": 8}, warmup=20, steps=300, rounds=5),
-        Case("tp_mlp", {"hidden": 1024, "batch": 64}, warmup=5, steps=60, rounds=5),
-        Case("dp_mlp", {"hidden": 512, "batch": 64}, warmup=5, steps=60, rounds=5),
-        Case("fsdp_mlp", {"hidden": 512, "batch": 64}, warmup=5, steps=60, rounds=5),
-        Case("shard_map_overhead", {"n_inputs": 1, "rows": 8, "cols": 8}, warmup=50, steps=1000, rounds=5),
-        Case("shard_map_overhead", {"n_inputs": 16, "rows": 8, "cols": 8}, warmup=50, steps=1000, rounds=5),
+        Case("tp_mlp", {"hidden": 256, "batch": 8}, warmup=30, steps=600, rounds=6),
+        Case("tp_mlp", {"hidden": 1024, "batch": 64}, warmup=6, steps=120, rounds=6),
+        Case("dp_mlp", {"hidden": 512, "batch": 64}, warmup=6, steps=120, rounds=6),
+        Case("fsdp_mlp", {"hidden": 512, "batch": 64}, warmup=6, steps=120, rounds=6),
+        Case("shard_map_overhead", {"n_inputs": 1, "rows": 8, "cols": 8}, warmup=100, steps=3000, rounds=6),
+        Case("shard_map_overhead", {"n_inputs": 16, "rows": 8, "cols": 8}, warmup=100, steps=3000, rounds=6),
     ]
 
 

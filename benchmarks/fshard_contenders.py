@@ -56,9 +56,158 @@ Example skeleton::
 
 from __future__ import annotations
 
-from .common import Ctx, Prepared  # noqa: F401  (the signature the functions below use)
+import torch
+import torch.nn.functional as F
 
-tp_mlp_fshard = None
-dp_mlp_fshard = None
-fsdp_mlp_fshard = None
-shard_map_overhead_fshard = None
+import fshard as fs
+
+from .common import PARAM_NAMES, Ctx, Prepared, mlp_forward, trivial_fn
+
+_MESHES: dict = {}
+
+
+def _mesh(ctx: Ctx) -> fs.Mesh:
+    """The benchmark's 1-D DeviceMesh (axis "x") as an fshard mesh, built once per process."""
+    m = _MESHES.get(id(ctx.mesh))
+    if m is None or m[0] is not ctx.mesh:
+        m = _MESHES[id(ctx.mesh)] = (ctx.mesh, fs.Mesh.from_device_mesh(ctx.mesh))
+    return m[1]
+
+
+def _param(local: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(local.contiguous().clone())
+
+
+def tp_mlp_fshard(ctx: Ctx) -> Prepared:
+    """Megatron TP written as specs: W1 "(x h) k", W2 "k (x h)", one psum; no f/g operators."""
+    mesh, W = _mesh(ctx), ctx.weights
+    w1 = fs.Sharded(_param(ctx.shard(W["0.weight"], 0)), mesh, "(x h) k")
+    b1 = fs.Sharded(_param(ctx.shard(W["0.bias"], 0)), mesh, "(x h)")
+    w2 = fs.Sharded(_param(ctx.shard(W["2.weight"], 1)), mesh, "k (x h)")
+    b2 = _param(W["2.bias"])
+    x = ctx.data["x"].clone().requires_grad_(True)
+    locals_ = [w1.local, b1.local, w2.local, b2]
+    opt = ctx.make_optimizer(locals_)
+
+    @fs.shard_map(mesh=mesh, in_specs=("b k", "(x h) k", "(x h)", "k (x h)", "k"), out_specs="b k")
+    def mlp(x, w1, b1, w2, b2):
+        return fs.psum(F.linear(F.gelu(F.linear(x, w1, b1)), w2), "x") + b2
+
+    def step():
+        for t in locals_:
+            t.grad = None
+        x.grad = None
+        loss = mlp(x, w1, b1, w2, b2).sum()
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return loss
+
+    def values(loss):
+        out = {"loss": loss.detach(), "grad/x": x.grad}
+        for n, p in zip(PARAM_NAMES, (w1, b1, w2)):
+            out[f"grad/{n}"] = p.grad.full()
+            if ctx.optim is not None:
+                out[f"param/{n}"] = p.detach().full()
+        out["grad/2.bias"] = b2.grad
+        if ctx.optim is not None:
+            out["param/2.bias"] = b2.detach()
+        return out
+
+    return Prepared(step, values, lambda: ctx.memory_state(locals_, opt))
+
+
+def _flat(ctx: Ctx, pad_to: int = 1):
+    W = ctx.weights
+    shapes = [W[n].shape for n in PARAM_NAMES]
+    sizes = [W[n].numel() for n in PARAM_NAMES]
+    total = sum(sizes)
+    padded = -(-total // pad_to) * pad_to
+    flat = torch.zeros(padded)
+    torch.cat([W[n].reshape(-1) for n in PARAM_NAMES], out=flat[:total])
+    return flat, shapes, sizes, total
+
+
+def _unflatten(flat, shapes, sizes, total):
+    return [v.view(s) for v, s in zip(flat[:total].split(sizes), shapes)]
+
+
+def dp_mlp_fshard(ctx: Ctx) -> Prepared:
+    """Replicated flat parameters, batch "(x b) k", loss = pmean over x: one all_reduce of gradients."""
+    mesh = _mesh(ctx)
+    flat0, shapes, sizes, total = _flat(ctx)
+    flat = _param(flat0)
+    opt = ctx.make_optimizer([flat])
+    x = ctx.data["x"]
+
+    @fs.shard_map(mesh=mesh, in_specs=("n", "(x b) k"), out_specs="")
+    def loss_fn(flat, x):
+        flat = fs.pvary(flat, "x")  # one cast for all parameters: one gradient all_reduce
+        return fs.pmean(mlp_forward(x, *_unflatten(flat, shapes, sizes, total)).mean(), "x")
+
+    def step():
+        flat.grad = None
+        loss = loss_fn(flat, x)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return loss
+
+    def values(loss):
+        out = {"loss": loss.detach()}
+        out.update({f"grad/{n}": g for n, g in zip(PARAM_NAMES, _unflatten(flat.grad, shapes, sizes, total))})
+        if ctx.optim is not None:
+            out.update({f"param/{n}": p.detach() for n, p in zip(PARAM_NAMES, _unflatten(flat, shapes, sizes, total))})
+        return out
+
+    return Prepared(step, values, lambda: ctx.memory_state([flat], opt))
+
+
+def fsdp_mlp_fshard(ctx: Ctx) -> Prepared:
+    """Flat parameters split "(x n)": all_gather in f, and its transpose reduce-scatters the gradients."""
+    mesh = _mesh(ctx)
+    flat0, shapes, sizes, total = _flat(ctx, pad_to=ctx.world)
+    shard = fs.shard(flat0, mesh, "(x n)")
+    shard = fs.Sharded(_param(shard.local), mesh, shard.layout)
+    opt = ctx.make_optimizer([shard.local])
+    x = ctx.data["x"]
+
+    @fs.shard_map(mesh=mesh, in_specs=("(x n)", "(x b) k"), out_specs="")
+    def loss_fn(flat, x):
+        full = fs.all_gather(flat, "x", tiled=True)
+        return fs.pmean(mlp_forward(x, *_unflatten(full, shapes, sizes, total)).mean(), "x")
+
+    def step():
+        shard.local.grad = None
+        loss = loss_fn(shard, x)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return loss
+
+    def values(loss):
+        out = {"loss": loss.detach()}
+        g = shard.grad.full()
+        out.update({f"grad/{n}": t for n, t in zip(PARAM_NAMES, _unflatten(g, shapes, sizes, total))})
+        if ctx.optim is not None:
+            p = shard.detach().full()
+            out.update({f"param/{n}": t for n, t in zip(PARAM_NAMES, _unflatten(p, shapes, sizes, total))})
+        return out
+
+    return Prepared(step, values, lambda: ctx.memory_state([shard.local], opt))
+
+
+def shard_map_overhead_fshard(ctx: Ctx) -> Prepared:
+    """``fs.shard_map(trivial_fn)`` on Sharded "(x r) c" inputs, returning Sharded outputs."""
+    mesh = _mesh(ctx)
+    n = ctx.params["n_inputs"]
+    xs = [fs.Sharded(ctx.shard(ctx.data[f"in/{i}"], 0), mesh, "(x r) c") for i in range(n)]
+    fn = fs.shard_map(trivial_fn, mesh=mesh, in_specs="(x r) c", out_specs="(x r) c")
+
+    def step():
+        return fn(*xs)
+
+    def values(outs):
+        return {f"out/{i}": o.full() for i, o in enumerate(outs)}
+
+    return Prepared(step, values)

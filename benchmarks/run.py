@@ -9,6 +9,7 @@ writes ``RESULTS.md``, ``results.png`` and ``results.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -31,6 +32,13 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def machine_info() -> dict[str, Any]:
@@ -56,6 +64,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
+        "load_start": _loadavg(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
@@ -80,9 +89,12 @@ def _command(argv: list[str]) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
+_T0 = time.perf_counter()
+
+
 def _log(rank: int, msg: str) -> None:
     if rank == 0:
-        print(msg, flush=True)
+        print(f"{time.perf_counter() - _T0:6.1f}s {msg}", flush=True)
 
 
 def _case_inputs(bench: str, params: dict, world: int):
@@ -93,8 +105,12 @@ def _case_inputs(bench: str, params: dict, world: int):
     return make_weights(params["hidden"]), make_mlp_data(params["hidden"], params["batch"])
 
 
-def _build_all(env, bench: str, params: dict, optim, weights, data, only=None):
-    """Build every registered contender of ``bench``; statuses agreed on by all ranks."""
+def _build_all(env, bench: str, params: dict, optim, weights, data, only=None, clone=True):
+    """Build every registered contender of ``bench``; statuses agreed on by all ranks.
+
+    Each contender gets its own copies of ``weights`` / ``data`` (``clone=False``: the given tensors,
+    for a single contender whose inputs were made outside the measured region).
+    """
     import torch.distributed as dist
 
     from .common import Ctx
@@ -105,8 +121,8 @@ def _build_all(env, bench: str, params: dict, optim, weights, data, only=None):
     for name, entry in CONTENDERS[bench].items():
         if only and name not in only:
             continue
-        ctx = Ctx(rank, world, group, mesh, bench, dict(params), optim,
-                  {k: v.clone() for k, v in weights.items()}, {k: v.clone() for k, v in data.items()})
+        cp = (lambda d: {k: v.clone() for k, v in d.items()}) if clone else dict
+        ctx = Ctx(rank, world, group, mesh, bench, dict(params), optim, cp(weights), cp(data))
         try:
             prep, status = build(entry, ctx), "ok"
         except Unavailable as e:
@@ -126,7 +142,7 @@ def _build_all(env, bench: str, params: dict, optim, weights, data, only=None):
 def _verify_case(env, case, tol: float, only) -> dict:
     import torch.distributed as dist
 
-    from .common import full, reference_values, rel_error
+    from .common import reference_values, rel_error
     from .contenders import BENCHES
 
     rank, world, group, _ = env
@@ -162,9 +178,8 @@ def _verify_case(env, case, tol: float, only) -> dict:
         passed = all(v <= tol for v in merged.values())
         res[name] = {"status": "ok", "passed": passed, "max_rel_err": merged.get(worst, 0.0),
                      "worst": worst, "missing": missing, "errs": merged}
-        _ = full  # (values() may already return DTensors; rel_error handles them)
     del preps
-    gc.collect()
+    gc.collect(1)
     return res
 
 
@@ -183,15 +198,19 @@ def _time_case(env, case, only) -> dict:
 
     rank = env[0]
     bench = BENCHES[case.bench]
+    t0 = time.perf_counter()
     weights, data = _case_inputs(case.bench, case.params, env[1])
     preps, statuses = _build_all(env, case.bench, case.params, bench.optim, weights, data, only)
+    t1 = time.perf_counter()
     samples = time_contenders(preps, warmup=case.warmup, steps=case.steps, rounds=case.rounds, group=env[2])
+    t2 = time.perf_counter()
     local = {}
     for name, prep in preps.items():
         local[name] = {**summarize(samples[name]), "comm": count_comms(prep, group=env[2])}
+    phases = {"build": t1 - t0, "timing": t2 - t1, "count": time.perf_counter() - t2}
     every = _gather_to_rank0(local, env)
     del preps, samples
-    gc.collect()
+    gc.collect(1)
     if rank != 0:
         return {}
     out = {}
@@ -213,24 +232,57 @@ def _time_case(env, case, only) -> dict:
             "comm": per_rank[0]["comm"],
             "comm_max_count": max(r["comm"]["count"] for r in per_rank),
         }
-    return {"bench": case.bench, "label": case.label, "params": case.params,
+    return {"bench": case.bench, "label": case.label, "params": case.params, "phase_seconds": phases,
             "min_comm": list(bench.min_comm(case.params, env[1])), "contenders": out}
 
 
 def _memory_case(env, mcase, only) -> dict:
-    from .timing import measure_memory
+    """Each contender built and stepped alone under the allocator profiler (with Adam)."""
+    import torch.distributed as dist
 
-    rank = env[0]
-    weights, data = _case_inputs(mcase.bench, mcase.params, env[1])
-    preps, statuses = _build_all(env, mcase.bench, mcase.params, "adam", weights, data, only)
-    local = {}
-    for name, prep in preps.items():
-        for _ in range(2):
-            prep.step()
-        local[name] = measure_memory(prep, group=env[2])
+    from .contenders import CONTENDERS
+    from .timing import AllocProfile, state_bytes
+
+    rank, world, group, _ = env
+    local, statuses = {}, {}
+    for name in CONTENDERS[mcase.bench]:
+        if only and name not in only:
+            continue
+        # fresh inputs made before the profiler starts: the contender's ctx copies are not its memory
+        weights, data = _case_inputs(mcase.bench, mcase.params, world)
+        gc.collect(1)
+        dist.barrier(group=group)
+        prep, preps, alloc = None, {}, None
+        try:
+            with AllocProfile() as alloc:
+                preps, st = _build_all(env, mcase.bench, mcase.params, "adam", weights, data, {name},
+                                       clone=False)
+                prep = preps.get(name)
+                if prep is not None:
+                    # short pauses let buffers that gloo's worker threads release right after a
+                    # collective completes be freed before the next step / the end of the region
+                    prep.step()
+                    time.sleep(0.02)
+                    for _ in range(3):
+                        with alloc.measured():
+                            prep.step()
+                        time.sleep(0.02)
+        except Exception:  # profiler trouble: fall back to the storage accounting only
+            traceback.print_exc()
+            if prep is None:
+                preps, st = _build_all(env, mcase.bench, mcase.params, "adam", weights, data, {name})
+                prep = preps.get(name)
+                if prep is not None:
+                    prep.step()
+            alloc = None
+        statuses[name] = st[name]
+        if prep is not None:
+            sb = state_bytes(prep) or {}
+            local[name] = {**{k: sb.get(k) for k in ("params", "grads", "optim", "state")},
+                           "kept": alloc.kept if alloc else None, "peak": alloc.peak if alloc else None}
+        del prep, preps
+        dist.barrier(group=group)
     every = _gather_to_rank0(local, env)
-    del preps
-    gc.collect()
     if rank != 0:
         return {}
     out = {}
@@ -239,17 +291,16 @@ def _memory_case(env, mcase, only) -> dict:
             out[name] = {"status": status}
             continue
         per_rank = [r[name] for r in every]
-        if per_rank[0] is None:
-            out[name] = {"status": "n/a: no state() hook"}
-            continue
         merged = {"status": "ok"}
-        for k in ("params", "grads", "optim", "state", "transient", "peak"):
+        for k in ("params", "grads", "optim", "state", "kept", "peak"):
             vals = [r[k] for r in per_rank]
-            merged[k] = None if any(v is None for v in vals) else max(vals)
+            # storage accounting: the largest rank; allocator readings are upper bounds: the smallest
+            pick = min if k in ("kept", "peak") else max
+            merged[k] = None if any(v is None for v in vals) else pick(vals)
         out[name] = merged
-    return {"layout": mcase.layout, "bench": mcase.bench, "label": " ".join(f"{k}={v}" for k, v in
-                                                                           mcase.params.items()),
-            "params": mcase.params, "minimum": memory_minimum(mcase, env[1]), "contenders": out}
+    return {"layout": mcase.layout, "bench": mcase.bench,
+            "label": " ".join(f"{k}={v}" for k, v in mcase.params.items()),
+            "params": mcase.params, "minimum": memory_minimum(mcase, world), "contenders": out}
 
 
 def memory_minimum(mcase, world: int) -> dict[str, int]:
@@ -278,6 +329,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, out_path: str) -> N
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
         env = (rank, world, dist.group.WORLD, mesh)
+        _log(rank, f"[world {world}] process group and mesh ready")
         result = _run_rank(env, opts)
         if rank == 0:
             with open(out_path, "w") as f:
@@ -293,6 +345,9 @@ def _run_rank(env, opts) -> dict:
     rank, world = env[0], env[1]
     only_b, only_c = set(opts["bench"] or []), set(opts["contenders"] or [])
     sel = [c for c in cases(opts["smoke"]) if not only_b or c.bench in only_b]
+    if opts["scale"] != 1.0:
+        sel = [dataclasses.replace(c, warmup=max(1, round(c.warmup * opts["scale"])),
+                                   steps=max(c.rounds, round(c.steps * opts["scale"]))) for c in sel]
     msel = [m for m in mem_cases(opts["smoke"]) if not only_b or m.bench in only_b]
     result: dict[str, Any] = {"world": world, "verify": [], "cases": [], "memory": []}
     t0 = time.perf_counter()
@@ -328,7 +383,8 @@ def _run_rank(env, opts) -> dict:
                 parts.append(f"{name} {r['wall_median'] * 1e3:.3f} ms" if r["status"] == "ok"
                              else f"{name} {r['status'].split(':')[0]}")
             _log(rank, f"[world {world}] {case.bench} {case.label}: " + ", ".join(parts)
-                 + f"  ({time.perf_counter() - t:.1f} s)")
+                 + f"  ({time.perf_counter() - t:.1f} s: "
+                 + ", ".join(f"{k} {v:.1f}" for k, v in res["phase_seconds"].items()) + ")")
     if not opts["no_memory"]:
         for mcase in msel:
             res = _memory_case(env, mcase, only_c)
@@ -357,10 +413,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bench", nargs="+", default=None,
                    help="only these benchmarks (tp_mlp dp_mlp fsdp_mlp shard_map_overhead)")
     p.add_argument("--contenders", nargs="+", default=None, help="only these contenders")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every case's warm-up and timed step counts (e.g. 0.2 for a quick look)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory table")
     p.add_argument("--out-dir", default=None,
-                   help="where RESULTS.md / results.png / results.json go (default: benchmarks/, or a "
-                        "temporary directory with --smoke)")
+                   help="where RESULTS.md / results.png / results.json go (default: benchmarks/; with "
+                        "--smoke the report is only printed unless this is given)")
     p.add_argument("--timeout", type=float, default=900.0, help="gloo collective timeout, seconds")
     args = p.parse_args(argv)
     if args.verify_only:
@@ -377,7 +435,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     opts = {"smoke": args.smoke, "verify": args.verify, "verify_only": args.verify_only, "tol": args.tol,
             "bench": args.bench, "contenders": args.contenders, "no_memory": args.no_memory,
-            "timeout": args.timeout}
+            "timeout": args.timeout, "scale": args.scale}
     results = {"machine": machine_info(), "command": _command(argv), "smoke": args.smoke, "runs": []}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as td:
@@ -388,6 +446,7 @@ def main(argv=None) -> int:
             with open(out_path) as f:
                 results["runs"].append(json.load(f))
     results["seconds"] = time.perf_counter() - t0
+    results["machine"]["load_end"] = _loadavg()
     print(f"== total {results['seconds']:.1f} s ==", flush=True)
 
     if args.verify and not all(r.get("verify_ok", True) for r in results["runs"]):
@@ -398,12 +457,13 @@ def main(argv=None) -> int:
 
     from . import report
 
-    if args.out_dir:
-        out_dir = Path(args.out_dir)
-    elif args.smoke:
-        out_dir = Path(tempfile.mkdtemp(prefix="fshard-bench-smoke-"))
-    else:
-        out_dir = HERE
+    if args.smoke and not args.out_dir:
+        # a smoke run exercises the report but keeps no files: the markdown goes to stdout only
+        with tempfile.TemporaryDirectory(prefix="fshard-bench-smoke-") as td:
+            print(report.write(results, Path(td) / "RESULTS.md", Path(td) / "results.png"))
+        print("smoke run: report printed above, no files kept (use --out-dir to keep them)")
+        return 0
+    out_dir = Path(args.out_dir) if args.out_dir else HERE
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "results.json", "w") as f:
         json.dump(results, f, indent=1)

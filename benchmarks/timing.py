@@ -31,10 +31,22 @@ def time_contenders(preps: dict[str, Prepared], *, warmup: int, steps: int, roun
     Every contender first runs ``warmup`` untimed steps. Then ``rounds`` rounds run; in each, every
     contender in turn (same fixed order every round) runs ``steps // rounds`` timed steps after a
     barrier, so slow drift (thermal, other load) hits all contenders alike. The garbage collector is
-    collected before and disabled during each timed block. CPU time is ``time.thread_time()`` of the
+    frozen after one full collection, collected (young generations) before and disabled during each timed
+    block. CPU time is ``time.thread_time()`` of the
     calling thread: work done by gloo's own threads is not in it, waiting for them is wall time only.
     """
     names = list(preps)
+    # one full collection, then move everything that exists into the permanent generation so the cheap
+    # young-generation collections before each block are all that is needed
+    gc.collect()
+    gc.freeze()
+    try:
+        return _time(preps, names, warmup, steps, rounds, group)
+    finally:
+        gc.unfreeze()
+
+
+def _time(preps, names, warmup, steps, rounds, group):
     for name in names:
         dist.barrier(group=group)
         step = preps[name].step
@@ -47,7 +59,7 @@ def time_contenders(preps: dict[str, Prepared], *, warmup: int, steps: int, roun
         for name in names:
             step = preps[name].step
             wall, cpu = out[name]["wall"], out[name]["cpu"]
-            gc.collect()
+            gc.collect(1)
             dist.barrier(group=group)
             gc.disable()
             try:
@@ -113,7 +125,7 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(_is_dtensor_type(t) for t in types):
+        if any(_defer_to_subclass(t) for t in types):
             return NotImplemented
         ns = getattr(func, "namespace", "")
         if ns in _COMM_NAMESPACES:
@@ -126,12 +138,16 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _is_dtensor_type(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
+def _defer_to_subclass(t) -> bool:
+    """Tensor subclasses that desugar into other ops (DTensor, and any user subclass, e.g. fshard's,
+    with its own ``__torch_dispatch__``) are let through first, so that the collectives they issue come
+    back to this mode. torch's internal subclasses (FakeTensor, FunctionalTensor) are not deferred."""
+    if not isinstance(t, type) or t in (torch.Tensor, torch.nn.Parameter):
         return False
-    return isinstance(t, type) and issubclass(t, DTensor)
+    if (t.__module__ or "").startswith("torch._subclasses"):
+        return False
+    return issubclass(t, torch.Tensor) and "__torch_dispatch__" in {
+        k for c in t.__mro__ if c not in (torch.Tensor, torch._C.TensorBase, object) for k in vars(c)}
 
 
 def count_comms(prep: Prepared, group=None) -> dict[str, Any]:
@@ -182,51 +198,91 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def step_transient_peak(prep: Prepared) -> int | None:
-    """Peak bytes allocated above the level at the start of a step (CPU allocator, via the profiler).
+class AllocProfile:
+    """Records CPU allocator events (``torch.profiler``, profile_memory=True) over a region.
 
-    Two steps are profiled and only the second is measured, so every block it frees was allocated under
-    the profiler and is accounted (blocks from before profiling are freed "of unknown size").
+    Use ``with AllocProfile() as ap: <build>; <warm-up step>; for ...: with ap.measured(): step()``.
+    Levels are counted from the region start. ``peak`` = the highest level reached during a measured
+    step; ``kept`` = the level between measured steps and at the end (what stays allocated: parameters,
+    gradients, optimizer state and any buffers or caches the contender keeps, e.g. DDP buckets).
+
+    These readings are upper bounds: a block that the main thread allocated and a gloo worker thread
+    frees (it holds collective buffers until it lets go of its work item) is not always reported as freed
+    by the profiler, so stray blocks can pile up in the level. They never make a reading too low, so the
+    smallest reading over the measured steps is kept (and ``run.py`` takes the smallest over ranks).
+    Blocks allocated before the region and freed inside it are not seen either.
     """
-    try:
-        from torch.profiler import ProfilerActivity, profile, record_function
-    except ImportError:  # pragma: no cover
-        return None
-    marker = "fshard_bench_measured_step"
-    with _quiet_stderr():
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            prep.step()
-            with record_function(marker):
-                prep.step()
-    try:
-        events = list(prof.profiler.kineto_results.events())
-    except AttributeError:  # pragma: no cover - profiler internals moved
-        return None
-    starts = [e.start_ns() for e in events if e.name() == marker]
-    if not starts:
-        return None
-    t0 = min(starts)
-    mem = sorted((e.start_ns(), e.nbytes()) for e in events
-                 if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
-    level, peak = 0, 0
-    for ts, nbytes in mem:
-        if ts < t0:
-            continue
-        level += nbytes
-        peak = max(peak, level)
-    return peak
+
+    MARKER = "fshard_bench_measured_step_"
+
+    def __init__(self):
+        self.kept: int | None = None
+        self.peak: int | None = None
+        self._prof = None
+        self._quiet = None
+        self._n = 0
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._quiet = _quiet_stderr()
+        self._quiet.__enter__()
+        try:
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        except Exception:
+            self._quiet.__exit__(None, None, None)
+            raise
+        return self
+
+    def measured(self):
+        from torch.profiler import record_function
+
+        self._n += 1
+        return record_function(f"{self.MARKER}{self._n}")
+
+    def __exit__(self, *exc):
+        try:
+            self._prof.__exit__(*exc)
+        finally:
+            self._quiet.__exit__(None, None, None)
+        if exc[0] is None:
+            self._analyze()
+        return False
+
+    def _analyze(self) -> None:
+        try:
+            events = list(self._prof.profiler.kineto_results.events())
+        except AttributeError:  # pragma: no cover - profiler internals moved
+            return
+        windows = sorted((e.start_ns(), e.end_ns()) for e in events if e.name().startswith(self.MARKER))
+        mem = sorted((e.start_ns(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+        level, k = 0, 0
+        peaks = [None] * len(windows)
+        starts = [None] * len(windows)
+        for ts, nbytes in mem:
+            while k < len(windows) and ts > windows[k][1]:
+                k += 1
+            for w in range(k, len(windows)):  # windows this event is at or before
+                if starts[w] is None and ts >= windows[w][0]:
+                    starts[w] = level
+            level += nbytes
+            if k < len(windows) and windows[k][0] <= ts <= windows[k][1]:
+                peaks[k] = level if peaks[k] is None else max(peaks[k], level)
+        for w in range(len(windows)):
+            if starts[w] is None:
+                starts[w] = level
+        peaks = [p for p in peaks if p is not None]
+        self.peak = min(peaks) if peaks else None
+        self.kept = min(starts[1:] + [level])
 
 
-def measure_memory(prep: Prepared, group=None) -> dict[str, Any] | None:
-    """Bytes this rank keeps between steps (params / grads / optimizer state) and the step's peak."""
+def state_bytes(prep: Prepared) -> dict[str, int] | None:
+    """Bytes of the params / grads / optimizer state this rank keeps (``Prepared.state``)."""
     if prep.state is None:
         return None
-    dist.barrier(group=group)
     st = prep.state()
     out = {k: storage_bytes(st.get(k, [])) for k in ("params", "grads", "optim")}
     out["state"] = out["params"] + out["grads"] + out["optim"]
-    transient = step_transient_peak(prep)
-    out["transient"] = transient
-    out["peak"] = None if transient is None else out["state"] + transient
-    dist.barrier(group=group)
     return out

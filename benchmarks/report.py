@@ -1,0 +1,318 @@
+"""RESULTS.md and results.png from the results dict ``run.py`` builds (also saved as results.json).
+
+Regenerate from a saved run: ``python -m benchmarks.report benchmarks/results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .contenders import BENCHES
+
+NA = "n/a"
+
+
+def _ms(s: float | None) -> str:
+    if s is None:
+        return NA
+    ms = s * 1e3
+    return f"{ms:.3f}" if ms < 10 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return NA
+    return f"{a / b:.2f}×"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return NA
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n} B"
+
+
+def _ok(r: dict | None) -> bool:
+    return bool(r) and r.get("status") == "ok"
+
+
+def _val(r: dict | None, key: str):
+    return r.get(key) if _ok(r) else None
+
+
+def _status(r: dict | None) -> str:
+    if r is None:
+        return NA
+    s = r.get("status", NA)
+    if s.startswith("n/a"):
+        return NA
+    return s
+
+
+def _best_dtensor(case: dict, key: str):
+    rows = case["contenders"]
+    vals = [_val(rows.get(n), key) for n in BENCHES[case["bench"]].dtensor]
+    vals = [v for v in vals if v is not None]
+    return min(vals) if vals else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Markdown
+# ----------------------------------------------------------------------------------------------------------
+
+
+def markdown(results: dict[str, Any], png_name: str | None = "results.png") -> str:
+    m = results["machine"]
+    L: list[str] = []
+    smoke = " (smoke run: tiny sizes, not meaningful)" if results.get("smoke") else ""
+    L.append("# fshard benchmark results" + smoke)
+    L.append("")
+    L.append(f"- Machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['os']}")
+    L.append(f"- torch {m['torch']}, Python {m['python']}, gloo backend on 127.0.0.1, "
+             f"`torch.set_num_threads(1)` per rank, CPU only")
+    L.append(f"- Command (from the repo root): `{results['command']}`")
+    L.append(f"- Date: {m['date']}; total run time {results.get('seconds', 0):.0f} s")
+    if m.get("load_start") is not None:
+        L.append(f"- Load average (1/5/15 min) at start {m['load_start']}, at end {m.get('load_end')} "
+                 f"(anything well above 0 means other processes shared the {m['cores']} cores)")
+    L.append("")
+    L.append("Method: every contender of a benchmark is built in the same rank processes from the same "
+             "initial weights and data (fixed seed), warmed up, then timed in interleaved rounds (each "
+             "round runs every contender in the same fixed order, after a barrier, GC disabled). Numbers "
+             "are medians of per-step times; per rank first, then the slowest rank. *Wall* is "
+             "`time.perf_counter`, *CPU* is `time.thread_time` of the main thread (Python + dispatch + "
+             "compute on that thread; gloo's own threads are not in it). Ratios are against the "
+             "hand-written contender (`× hw`); `fshard ÷` columns give fshard's time over that row's. "
+             "Collectives are counted over one step with a `TorchDispatchMode` (c10d and functional "
+             "collectives); bytes = full logical buffer per collective (all_reduce buffer, all_gather "
+             "output, reduce_scatter input), per rank. When the load average is high, wall times include "
+             "time spent descheduled; the main-thread CPU times and their ratios are then the steadier "
+             "numbers.")
+    L.append("")
+
+    # summary
+    L.append("## Summary")
+    L.append("")
+    L.append("| world | benchmark | size | hand-written ms (wall / CPU) | torch-native ms, wall / CPU (× hw) "
+             "| fshard ms (wall / CPU) | fshard / hand-written (wall / CPU) | fshard / best torch-native "
+             "(wall / CPU) |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for run in results["runs"]:
+        for case in run["cases"]:
+            rows, b = case["contenders"], BENCHES[case["bench"]]
+            hw, fs = rows.get(b.baseline), rows.get("fshard")
+            native = "<br>".join(
+                f"{n}: {_ms(_val(rows.get(n), 'wall_median'))} / {_ms(_val(rows.get(n), 'cpu_median'))} "
+                f"({_ratio(_val(rows.get(n), 'wall_median'), _val(hw, 'wall_median'))} / "
+                f"{_ratio(_val(rows.get(n), 'cpu_median'), _val(hw, 'cpu_median'))})"
+                if _ok(rows.get(n)) else f"{n}: {_status(rows.get(n))}"
+                for n in b.dtensor)
+            L.append(
+                f"| {run['world']} | {case['bench']} | {case['label']} "
+                f"| {_ms(_val(hw, 'wall_median'))} / {_ms(_val(hw, 'cpu_median'))} | {native} "
+                f"| {_ms(_val(fs, 'wall_median'))} / {_ms(_val(fs, 'cpu_median'))} "
+                f"| {_ratio(_val(fs, 'wall_median'), _val(hw, 'wall_median'))} / "
+                f"{_ratio(_val(fs, 'cpu_median'), _val(hw, 'cpu_median'))} "
+                f"| {_ratio(_val(fs, 'wall_median'), _best_dtensor(case, 'wall_median'))} / "
+                f"{_ratio(_val(fs, 'cpu_median'), _best_dtensor(case, 'cpu_median'))} |")
+    L.append("")
+    if png_name:
+        L.append(f"![results]({png_name})")
+        L.append("")
+
+    for run in results["runs"]:
+        w = run["world"]
+        L.append(f"## World {w}")
+        L.append("")
+        if run.get("verify"):
+            L.extend(_verify_md(run))
+        for case in run["cases"]:
+            L.extend(_case_md(case, w))
+        if run.get("memory"):
+            L.extend(_memory_md(run))
+    return "\n".join(L).rstrip() + "\n"
+
+
+def _verify_md(run) -> list[str]:
+    L = [f"### Verification (world {run['world']}): loss, gradients (and parameters after one SGD step "
+         "where the benchmark has an optimizer), gathered, vs a single-process reference", "",
+         "| benchmark | size | contender | result | max rel. error | worst |", "|---|---|---|---|---|---|"]
+    for v in run["verify"]:
+        for name, r in v["contenders"].items():
+            if r.get("status") == "ok":
+                res = "pass" if r["passed"] else "**FAIL**"
+                L.append(f"| {v['bench']} | {v['label']} | {name} | {res} | {r['max_rel_err']:.1e} "
+                         f"| {r['worst']} |")
+            else:
+                L.append(f"| {v['bench']} | {v['label']} | {name} | {_status(r)} | | |")
+    L.append("")
+    return L
+
+
+def _case_md(case, world) -> list[str]:
+    b = BENCHES[case["bench"]]
+    rows = case["contenders"]
+    hw, fs = rows.get(b.baseline), rows.get("fshard")
+    min_count, min_bytes = case["min_comm"]
+    L = [f"### {case['bench']} {case['label']} (world {world})", "", f"{b.title}. Hand-written minimum: "
+         f"{min_count} collectives, {_bytes(min_bytes)} per step ({b.min_comm_doc}).", "",
+         "| contender | wall ms (median) | wall p10–p90 | CPU ms (median) | wall × hw | CPU × hw "
+         "| fshard ÷ this (wall / CPU) | collectives / step | bytes / step | bytes ÷ minimum | ops |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if not _ok(r):
+            L.append(f"| {name} | {_status(r)} | | | | | | | | | |")
+            continue
+        comm = r["comm"]
+        ops = ", ".join(f"{k.replace('.default', '')}×{v}" for k, v in comm["ops"].items()) or "–"
+        L.append(
+            f"| {name} | {_ms(r['wall_median'])} | {_ms(r['wall_p10'])}–{_ms(r['wall_p90'])} "
+            f"| {_ms(r['cpu_median'])} | {_ratio(r['wall_median'], _val(hw, 'wall_median'))} "
+            f"| {_ratio(r['cpu_median'], _val(hw, 'cpu_median'))} "
+            f"| {_ratio(_val(fs, 'wall_median'), r['wall_median'])} / "
+            f"{_ratio(_val(fs, 'cpu_median'), r['cpu_median'])} "
+            f"| {comm['count']} | {_bytes(comm['bytes'])} "
+            f"| {_ratio(comm['bytes'], min_bytes) if min_bytes else ('–' if not comm['bytes'] else NA)} "
+            f"| {ops} |")
+    L.append(f"\n{rows[next(iter(rows))].get('n', 0) if _ok(rows[next(iter(rows))]) else ''} timed steps "
+             "per contender per rank.\n")
+    return L
+
+
+def _memory_md(run) -> list[str]:
+    L = [f"### Memory per rank (world {run['world']}, Adam)", "",
+         "*params / grads / optimizer state* = bytes of the distinct storages the contender reports keeping "
+         "(DTensors: their local shard), largest rank. The allocator columns come from `torch.profiler` CPU "
+         "allocation events over building the contender + 4 steps, counted from before the build: *kept* = "
+         "bytes still allocated between steps (everything the contender holds, also DDP buckets, FSDP "
+         "buffers, caches), *step peak* = highest level during a step (adds activations, gathered "
+         "parameters, communication buffers). The profiler does not always see gloo's worker threads free "
+         "collective buffers, so allocator readings are upper bounds; the smallest over the last 3 steps "
+         "and over ranks is shown.", "",
+         "| layout | model | contender | params | grads | optimizer state | sum | kept (allocator) "
+         "| step peak (allocator) | sum ÷ minimum | peak ÷ minimum sum |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mem in run["memory"]:
+        mn = mem["minimum"]
+        L.append(f"| {mem['layout']} | {mem['label']} | *minimum* | {_bytes(mn['params'])} "
+                 f"| {_bytes(mn['grads'])} | {_bytes(mn['optim'])} | {_bytes(mn['state'])} | | | | |")
+        for name, r in mem["contenders"].items():
+            if not _ok(r):
+                L.append(f"| {mem['layout']} | {mem['label']} | {name} | {_status(r)} | | | | | | | |")
+                continue
+            L.append(f"| {mem['layout']} | {mem['label']} | {name} ({mem['bench']}) | {_bytes(r['params'])} "
+                     f"| {_bytes(r['grads'])} | {_bytes(r['optim'])} | {_bytes(r['state'])} "
+                     f"| {_bytes(r['kept'])} | {_bytes(r['peak'])} | {_ratio(r['state'], mn['state'])} "
+                     f"| {_ratio(r['peak'], mn['state'])} |")
+    L.append("")
+    return L
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plot
+# ----------------------------------------------------------------------------------------------------------
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = []  # (kind, run, item)
+    for run in results["runs"]:
+        panels += [("time", run, case) for case in run["cases"]]
+        if run.get("memory"):
+            panels.append(("memory", run, run["memory"]))
+    if not panels:
+        return False
+    ncols = min(4, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.0 * ncols, 3.4 * nrows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax, (kind, run, item) in zip(flat, panels):
+        if kind == "time":
+            _plot_case(ax, run, item)
+        else:
+            _plot_memory(ax, run, item)
+    for ax in flat[len(panels):]:
+        ax.axis("off")
+    flat[0].legend(fontsize=7)
+    m = results["machine"]
+    fig.suptitle(f"fshard benchmarks: median per step, {m['cpu']}, {m['cores']} cores, torch {m['torch']}"
+                 + (" (smoke run)" if results.get("smoke") else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _short(name: str) -> str:
+    return name.replace("dtensor_", "dt_")
+
+
+def _plot_case(ax, run, case) -> None:
+    rows = case["contenders"]
+    names = list(rows)
+    wall = [(_val(rows[n], "wall_median") or 0) * 1e3 for n in names]
+    cpu = [(_val(rows[n], "cpu_median") or 0) * 1e3 for n in names]
+    xs = list(range(len(names)))
+    ax.bar([x - 0.2 for x in xs], wall, 0.4, label="wall", color="#4C72B0")
+    ax.bar([x + 0.2 for x in xs], cpu, 0.4, label="main-thread CPU", color="#DD8452")
+    top = max(wall + cpu + [1e-9])
+    hw = _val(rows.get(BENCHES[case["bench"]].baseline), "wall_median")
+    for x, n in zip(xs, names):
+        if not _ok(rows[n]):
+            ax.text(x, top * 0.03, NA, ha="center", va="bottom", fontsize=8)
+        elif hw:
+            ax.text(x - 0.2, wall[x], f"{rows[n]['wall_median'] / hw:.2f}×", ha="center", va="bottom",
+                    fontsize=6)
+    ax.set_ylim(0, top * 1.15)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([_short(n) for n in names], rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("ms / step", fontsize=8)
+    ax.set_title(f"world {run['world']}: {case['bench']} {case['label']}", fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
+
+
+def _plot_memory(ax, run, mems) -> None:
+    labels, p, g, o, peak = [], [], [], [], []
+    for mem in mems:
+        for n, r in mem["contenders"].items():
+            labels.append(f"{mem['layout']}: {_short(n)}")
+            p.append((_val(r, "params") or 0) / 2**20)
+            g.append((_val(r, "grads") or 0) / 2**20)
+            o.append((_val(r, "optim") or 0) / 2**20)
+            peak.append((_val(r, "peak") or 0) / 2**20)
+    xs = list(range(len(labels)))
+    ax.bar(xs, p, label="params", color="#55A868")
+    ax.bar(xs, g, bottom=p, label="grads", color="#C44E52")
+    ax.bar(xs, o, bottom=[a + b for a, b in zip(p, g)], label="Adam state", color="#8172B2")
+    ax.scatter([x for x, v in zip(xs, peak) if v], [v for v in peak if v], marker="_", s=120,
+               color="black", label="step peak (allocator)", zorder=3)
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=6)
+    ax.set_ylabel("MiB per rank", fontsize=8)
+    ax.set_title(f"world {run['world']}: memory per rank (Adam)", fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.legend(fontsize=6)
+
+
+def write(results: dict[str, Any], md_path: Path, png_path: Path) -> str:
+    has_plot = plot(results, Path(png_path))
+    md = markdown(results, Path(png_path).name if has_plot else None)
+    Path(md_path).write_text(md)
+    return md
+
+
+if __name__ == "__main__":
+    src = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results.json")
+    res = json.loads(src.read_text())
+    print(write(res, src.parent / "RESULTS.md", src.parent / "results.png"))
