@@ -30,6 +30,7 @@ import torch.distributed as dist
 from . import _comm, _vma
 from ._errors import CollectiveError
 from ._mesh import AxisGroup
+from ._vma import apply as _apply
 
 __all__ = [
     "psum",
@@ -117,7 +118,7 @@ class AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ct):
         if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
-            return _vma._Pvary.apply(ct, ctx.g), None
+            return _apply(_vma._Pvary, ct, ctx.g), None
         return ct, None
 
 
@@ -137,7 +138,7 @@ class AllGather(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
-        return ReduceScatter.apply(ct, *ctx.args), None, None, None
+        return _apply(ReduceScatter, ct, *ctx.args), None, None, None
 
 
 class AllGatherInvariant(torch.autograd.Function):
@@ -171,7 +172,7 @@ class LocalSlice(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
-        return AllGatherInvariant.apply(ct, *ctx.args), None, None, None
+        return _apply(AllGatherInvariant, ct, *ctx.args), None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -187,7 +188,7 @@ class ReduceScatter(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
-        return AllGather.apply(ct, *ctx.args), None, None, None
+        return _apply(AllGather, ct, *ctx.args), None, None, None
 
 
 class AllToAll(torch.autograd.Function):
@@ -204,7 +205,7 @@ class AllToAll(torch.autograd.Function):
     @_untracked
     def backward(ctx, ct):
         g, split_dim, concat_dim = ctx.args
-        return AllToAll.apply(ct, g, concat_dim, split_dim), None, None, None
+        return _apply(AllToAll, ct, g, concat_dim, split_dim), None, None, None
 
 
 class PPermute(torch.autograd.Function):
@@ -221,7 +222,7 @@ class PPermute(torch.autograd.Function):
     @_untracked
     def backward(ctx, ct):
         inverse = tuple((d, s) for s, d in ctx.perm)
-        return PPermute.apply(ct, ctx.g, inverse), None, None
+        return _apply(PPermute, ct, ctx.g, inverse), None, None
 
 
 class Broadcast(torch.autograd.Function):
@@ -311,7 +312,7 @@ def psum(x: torch.Tensor, axis) -> torch.Tensor:
     vary = bits & v
     y = x
     if vary:
-        y = AllReduce.apply(x, tr.mesh.axis_group(tr.mesh.names_of(vary), "psum"))
+        y = _apply(AllReduce, x, tr.mesh.axis_group(tr.mesh.names_of(vary), "psum"))
     inv = bits & ~v
     if inv:
         y = _mul_untracked(y, math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)))
@@ -338,7 +339,7 @@ def _extremum(x, axis, op, where):
     vary = bits & v
     if not vary:
         return x
-    y = Extremum.apply(x, tr.mesh.axis_group(tr.mesh.names_of(vary), where), op)
+    y = _apply(Extremum, x, tr.mesh.axis_group(tr.mesh.names_of(vary), where), op)
     return _vma.tag(y, tr, v & ~bits)
 
 
@@ -383,8 +384,8 @@ def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False, *, inva
     dim = _norm_dim(dim, ndim, "all_gather")
     x = _vary(x, tr, v, bits)
     if invariant:
-        return _vma.tag(AllGatherInvariant.apply(x, g, dim, tiled), tr, v & ~bits)
-    return _vma.tag(AllGather.apply(x, g, dim, tiled), tr, v | bits)
+        return _vma.tag(_apply(AllGatherInvariant, x, g, dim, tiled), tr, v & ~bits)
+    return _vma.tag(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
 
 
 def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False) -> torch.Tensor:
@@ -407,7 +408,7 @@ def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False) -> to
             f"but x has shape {tuple(x.shape)}; pass tiled=True to split it into {g.size} blocks"
         )
     x = _vary(x, tr, v, bits)
-    return _vma.tag(ReduceScatter.apply(x, g, dim, tiled), tr, v | bits)
+    return _vma.tag(_apply(ReduceScatter, x, g, dim, tiled), tr, v | bits)
 
 
 def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -425,7 +426,7 @@ def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int) -> torch.
     concat_dim = _norm_dim(concat_dim, x.dim(), "all_to_all", "concat_dim")
     _check_divisible(x, split_dim, g.size, "all_to_all", "split_dim")
     x = _vary(x, tr, v, bits)
-    return _vma.tag(AllToAll.apply(x, g, split_dim, concat_dim), tr, v | bits)
+    return _vma.tag(_apply(AllToAll, x, g, split_dim, concat_dim), tr, v | bits)
 
 
 def ppermute(x: torch.Tensor, axis, perm) -> torch.Tensor:
@@ -455,7 +456,7 @@ def ppermute(x: torch.Tensor, axis, perm) -> torch.Tensor:
         )
         raise CollectiveError(f"fs.ppermute: bad perm {list(pairs)} for axis {axis!r} of size {g.size}: {why}")
     x = _vary(x, tr, v, bits)
-    return _vma.tag(PPermute.apply(x, g, pairs), tr, v | bits)
+    return _vma.tag(_apply(PPermute, x, g, pairs), tr, v | bits)
 
 
 def pbroadcast(x: torch.Tensor, axis, src: int = 0) -> torch.Tensor:
@@ -471,7 +472,7 @@ def pbroadcast(x: torch.Tensor, axis, src: int = 0) -> torch.Tensor:
         raise CollectiveError(f"fs.pbroadcast: src={src!r} must be an index in [0, {g.size}) of axis {axis!r}")
     if not bits & v:
         return x
-    return _vma.tag(Broadcast.apply(x, g, src), tr, v & ~bits)
+    return _vma.tag(_apply(Broadcast, x, g, src), tr, v & ~bits)
 
 
 def pvary(x: torch.Tensor, axis) -> torch.Tensor:

@@ -18,6 +18,7 @@ from ._collectives import AllReduce, LocalSlice, ReduceScatter
 from ._errors import FshardError, SpecError
 from ._layout import Layout, bind, divisibility_problems
 from ._mesh import Mesh
+from ._vma import apply as _apply
 from ._sharded import Sharded, relayout
 from ._spec import Spec, parse_spec
 
@@ -334,7 +335,7 @@ def _localize(x, p: _InPlan, tr, mesh):
         if p.slices:
             if x.requires_grad and torch.is_grad_enabled():
                 for d, g in p.groups:
-                    x = LocalSlice.apply(x, g, d, True)
+                    x = _apply(LocalSlice, x, g, d, True)
             else:
                 for d, start, n in p.slices:
                     x = x.narrow(d, start, n)
@@ -361,9 +362,9 @@ def _finish(x, p: _OutPlan, mesh):
     if kind == "pass":
         return x
     if p.reduce is not None:
-        x = AllReduce.apply(x, p.reduce)
+        x = _apply(AllReduce, x, p.reduce)
     for d, g in p.scatter:
-        x = ReduceScatter.apply(x, g, d, True)
+        x = _apply(ReduceScatter, x, g, d, True)
     if kind == "plain":
         return x
     return Sharded(x, mesh, p.layout)

@@ -13,6 +13,7 @@ from ._collectives import AllGatherInvariant, AllToAll, LocalSlice
 from ._errors import MeshError, SpecError
 from ._layout import Layout, bind, divisibility_problems
 from ._mesh import Mesh
+from ._vma import apply as _apply
 
 __all__ = ["Sharded", "shard", "from_dtensor"]
 
@@ -121,7 +122,7 @@ class Sharded:
         x = self.local
         for d, axes in enumerate(self.layout.dims):
             if axes:
-                x = AllGatherInvariant.apply(x, self.mesh.axis_group(axes), d, True)
+                x = _apply(AllGatherInvariant, x, self.mesh.axis_group(axes), d, True)
         return x
 
     def reshard(self, spec) -> "Sharded":
@@ -182,11 +183,11 @@ def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout) -> torch.Tensor:
     if len(remove) == 1 and len(add) == 1:
         (i, ra), (j, rb) = next(iter(remove.items())), next(iter(add.items()))
         if i != j and ra == rb and len(ra) == 1:
-            return AllToAll.apply(x, mesh.axis_group(ra[0]), j, i)
+            return _apply(AllToAll, x, mesh.axis_group(ra[0]), j, i)
     for d, axes in remove.items():
-        x = AllGatherInvariant.apply(x, mesh.axis_group(axes), d, True)
+        x = _apply(AllGatherInvariant, x, mesh.axis_group(axes), d, True)
     for d, axes in add.items():
-        x = LocalSlice.apply(x, mesh.axis_group(axes), d, True)
+        x = _apply(LocalSlice, x, mesh.axis_group(axes), d, True)
     return x
 
 
