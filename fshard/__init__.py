@@ -35,7 +35,7 @@ from ._shard_map import shard_map
 from ._sharded import Sharded, from_dtensor, shard
 from ._spec import Spec, parse_spec
 from ._visualize import visualize
-from . import optim, random  # noqa: E402  (submodules: fs.optim.adamw, fs.random.normal)
+from . import checkpoint, optim, random  # noqa: E402  (submodules: fs.optim.adamw, fs.random.normal)
 
 __version__ = "0.1.0"
 
@@ -73,6 +73,7 @@ __all__ = [
     "launch",
     "RankPool",
     # submodules
+    "checkpoint",
     "optim",
     "random",
     # errors

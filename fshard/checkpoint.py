@@ -21,7 +21,7 @@ Examples:
     >>> from fshard import checkpoint
     >>> mesh = fs.Mesh(dp=2, tp=2)                         # 4 ranks
     >>> w = fs.random.normal(0, (8, 4), mesh=mesh, spec="(tp n) k")
-    >>> checkpoint.save("ckpt", {"w": w, "step": 10}, step=10)
+    >>> where = checkpoint.save("ckpt", {"w": w, "step": 10}, step=10)   # 'ckpt/step_00000010'
     >>> mesh1 = fs.Mesh(dp=1, tp=4)                        # later, same 4 ranks (or another run)
     >>> like = {"w": fs.shard(torch.zeros(8, 4), mesh1, "(tp n) k"), "step": 0}
     >>> state = checkpoint.load("ckpt", like)              # the latest step: {"w": Sharded, "step": 10}
@@ -42,7 +42,7 @@ from ._errors import FshardError
 from ._layout import Layout
 from ._sharded import Sharded
 
-__all__ = ["save", "load", "latest_step", "CheckpointError"]
+__all__ = ["save", "load", "latest_step", "steps", "CheckpointError"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last, on the coordinator rank
@@ -200,8 +200,18 @@ def latest_step(path) -> int | None:
     Examples:
         >>> step = fshard.checkpoint.latest_step("out/ckpt")   # None before the first save
     """
-    steps = _steps(os.fspath(path))
-    return steps[-1] if steps else None
+    found = _steps(os.fspath(path))
+    return found[-1] if found else None
+
+
+def steps(path) -> list[int]:
+    """The steps of all complete ``step_*`` checkpoints under ``path``, in increasing order.
+
+    Examples:
+        >>> fshard.checkpoint.steps("out/ckpt")
+        [250, 500, 750]
+    """
+    return _steps(os.fspath(path))
 
 
 # == helpers ==============================================================================
@@ -290,13 +300,13 @@ def _resolve(path: str, step: int | None) -> str:
         return ckpt
     if os.path.isfile(os.path.join(path, _METADATA)):
         return path
-    steps = _steps(path)
-    if not steps:
+    found = _steps(path)
+    if not found:
         raise FileNotFoundError(
             f"fshard.checkpoint.load: {path!r} is neither a checkpoint (no {_METADATA} file) nor a "
             f"directory of step_* checkpoints"
         )
-    return os.path.join(path, f"step_{steps[-1]:08d}")
+    return os.path.join(path, f"step_{found[-1]:08d}")
 
 
 def _barrier(distributed: bool) -> None:
