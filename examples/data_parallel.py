@@ -112,8 +112,6 @@ def main():
     if dist.get_rank() == 0:
         print(f"data_parallel: OK (dp={mesh.size}) losses and parameters match the single-process reference")
 
-    dist.destroy_process_group()  # torch.distributed requires it before exit (else gloo may abort)
-
 
 if __name__ == "__main__":
     main()

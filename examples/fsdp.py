@@ -117,8 +117,6 @@ def main():
             f"fsdp: OK (dp={mesh.size}) losses, parameters and AdamW state match the single-process reference"
         )
 
-    dist.destroy_process_group()  # torch.distributed requires it before exit (else gloo may abort)
-
 
 if __name__ == "__main__":
     main()

@@ -80,8 +80,6 @@ def main():
         print(f"forward + backward collectives: {step}")
         print(f"matmul_psum: OK (y {tuple(y.shape)}, tp={mesh.size}) matches the single-process reference")
 
-    dist.destroy_process_group()  # torch.distributed requires it before exit (else gloo may abort)
-
 
 if __name__ == "__main__":
     main()

@@ -137,8 +137,6 @@ def main():
             f"parameters match the single-process reference"
         )
 
-    dist.destroy_process_group()  # torch.distributed requires it before exit (else gloo may abort)
-
 
 if __name__ == "__main__":
     main()

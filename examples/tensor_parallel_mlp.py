@@ -101,8 +101,6 @@ def main():
             f"tensor_parallel_mlp: OK (tp={mesh.size}) output and gradients match the single-process reference"
         )
 
-    dist.destroy_process_group()  # torch.distributed requires it before exit (else gloo may abort)
-
 
 if __name__ == "__main__":
     main()

@@ -186,6 +186,31 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
     if "nccl" in backend and "LOCAL_RANK" not in present:
         local_rank = rank % max(1, torch.cuda.device_count())
     _init_process_group(backend, local_rank=local_rank, timeout=timeout)
+    atexit.register(_shutdown_at_exit)
+
+
+def _shutdown_at_exit() -> None:
+    """Tear the process group down before the interpreter does.
+
+    Left to interpreter teardown, a gloo group whose peers are still closing their connections
+    can abort the process ("terminate called without an active exception") after the script
+    has finished. A bounded barrier first lets every rank finish its last collective.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            dist.monitored_barrier(timeout=timedelta(seconds=30))
+        else:
+            dist.barrier()
+    except Exception:  # a peer already failed: its launcher is ending every rank anyway
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 # --------------------------------------------------------------------------------------------------

@@ -143,13 +143,16 @@ class Mesh:
         if device_mesh is None and dist.is_initialized():
             # Meshes of the same shape share one DeviceMesh and its process groups: making
             # groups is collective and costly, and equal meshes are interchangeable.
-            cache_key = (names, sizes, self.device.type, id(dist.group.WORLD))
+            # Keyed by the world group object itself: a destroyed and re-initialized world
+            # must not reuse the old groups.
+            world_group = dist.group.WORLD
+            cache_key = (names, sizes, self.device.type)
             shared = _SHARED.get(cache_key)
-            if shared is None:
+            if shared is None or shared[2] is not world_group:
                 from torch.distributed.device_mesh import init_device_mesh
 
                 dm = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
-                shared = _SHARED[cache_key] = (dm, {})
+                shared = _SHARED[cache_key] = (dm, {}, world_group)
             self._device_mesh = shared[0]
         if self._device_mesh is not None:
             coord = self._device_mesh.get_coordinate()
