@@ -337,6 +337,11 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, out_path: str) -> N
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Skip interpreter teardown: after the profiler-based memory pass, gloo/profiler threads can
+    # abort the process there ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_rank(env, opts) -> dict:
