@@ -166,11 +166,11 @@ class _ShardMapped:
 
     def _plan_inputs(self, args, leaves, treedef):
         mesh = self.mesh
-        specs, paths = _broadcast_specs(self.in_specs, args, "in_specs", self.name, "args")
+        specs, paths, shared = _broadcast_specs(self.in_specs, args, "in_specs", self.name, "args")
         problems: list[str] = []
         plans = []
         label_sizes: dict[str, tuple[int, str]] = {}
-        for x, spec, path in zip(leaves, specs, paths):
+        for x, spec, path, template in zip(leaves, specs, paths, shared):
             if not isinstance(x, (_Tensor, Sharded)):
                 plans.append(_InPlan("pass"))
                 continue
@@ -193,7 +193,7 @@ class _ShardMapped:
             for p in divisibility_problems(layout, shape, mesh.shape):
                 problems.append(f"{path} (shape {shape}) with spec {str(spec)!r}: {p}")
             for i, lab in enumerate(layout.labels):
-                if lab is None:
+                if lab is None or template:
                     continue
                 seen = label_sizes.setdefault(lab, (shape[i], path))
                 if seen[0] != shape[i]:
@@ -249,7 +249,7 @@ class _ShardMapped:
 
     def _plan_outputs(self, out, leaves, treedef):
         mesh = self.mesh
-        specs, paths = _broadcast_specs(self.out_specs, out, "out_specs", self.name, "out")
+        specs, paths, _ = _broadcast_specs(self.out_specs, out, "out_specs", self.name, "out")
         problems: list[str] = []
         plans = []
         for x, spec, path in zip(leaves, specs, paths):
@@ -385,19 +385,26 @@ def _bind(spec, mesh: Mesh, ndim: int):
 
 
 def _broadcast_specs(specs, tree, what, name, root):
-    """Broadcast a spec prefix tree over ``tree``: (spec per leaf, key path per leaf)."""
+    """Broadcast a spec prefix tree over ``tree``.
+
+    Returns (spec per leaf, key path per leaf, whether that spec also covers other leaves).
+    A spec that covers several leaves is a template: its labels are not tied across them.
+    """
     accessors, _, _ = optree.tree_flatten_with_accessor(tree)
     paths = [a.codify(root) for a in accessors]
     if specs is None:
         specs = "..."
     if isinstance(specs, (str, Spec)):
-        return [specs] * len(paths), paths
+        return [specs] * len(paths), paths, [len(paths) > 1] * len(paths)
     if root == "args" and isinstance(specs, list):
         specs = tuple(specs)
     # None as a spec means replicated ("..."), as P() does in JAX.
     specs = optree.tree_map(lambda s: "..." if s is None else s, specs, none_is_leaf=True)
+    is_spec = lambda s: isinstance(s, (str, Spec))  # noqa: E731
+    spec_leaves, spec_def = optree.tree_flatten(specs, is_leaf=is_spec)
+    index_tree = optree.tree_unflatten(spec_def, list(range(len(spec_leaves))))
     try:
-        full = optree.broadcast_prefix(specs, tree, is_leaf=lambda s: isinstance(s, (str, Spec)))
+        which = optree.broadcast_prefix(index_tree, tree)
     except ValueError as e:
         where = "arguments" if root == "args" else "outputs"
         why = _mismatch(specs, tree, what, root) or str(e).split("\n")[0][:300]
@@ -409,7 +416,10 @@ def _broadcast_specs(specs, tree, what, name, root):
         raise SpecError(
             f"fs.shard_map({name}): {what} does not match the structure of the {where}: {why}\nfix: {fix}"
         ) from None
-    return full, paths
+    uses: dict[int, int] = {}
+    for k in which:
+        uses[k] = uses.get(k, 0) + 1
+    return [spec_leaves[k] for k in which], paths, [uses[k] > 1 for k in which]
 
 
 def _describe(x) -> str:

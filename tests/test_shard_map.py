@@ -756,3 +756,24 @@ def test_one_rank_world_without_distributed():
 
     assert not dist.is_initialized()
     _check_one_rank(_rank_one_rank_world())
+
+
+# --- a spec given for a whole subtree is a template: its labels are not tied across the leaves ---
+
+
+def _subtree_spec_template():
+    import fshard as fs
+
+    mesh = fs.Mesh(dp=2)
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(8, 16, generator=g), "w2": torch.randn(16, 4, generator=g)}
+
+    out = fs.shard_map(lambda p: fs.psum(p["w1"].sum() + p["w2"].sum(), "dp"), mesh=mesh,
+                       in_specs=("(dp n) ...",), out_specs="")(params)
+    want = params["w1"].sum() + params["w2"].sum()
+    return float((out - want).abs())
+
+
+def test_one_spec_for_a_dict_of_differently_sized_parameters(ranks):
+    errs = ranks(2, _subtree_spec_template)
+    assert all(e < 1e-4 for e in errs), errs
