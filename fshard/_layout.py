@@ -56,10 +56,6 @@ class Layout:
         return self.spec_text()
 
 
-def _did_you_mean(name: str, axes: tuple[str, ...]) -> str:
-    return did_you_mean(name, axes)
-
-
 @functools.lru_cache(maxsize=4096)
 def bind(spec: Spec | str, axis_sizes: tuple[tuple[str, int], ...], ndim: int) -> tuple[Layout | None, tuple[str, ...]]:
     """Bind ``spec`` to a mesh (as ``((name, size), ...)``) for a tensor of ``ndim`` dims.
@@ -120,7 +116,7 @@ def bind(spec: Spec | str, axis_sizes: tuple[tuple[str, int], ...], ndim: int) -
             elif len(rest) > 1:
                 for n in rest[:-1]:
                     problems.append(
-                        f"{n!r} in {written} is not an axis of {mesh_text}{_did_you_mean(n, names)}; "
+                        f"{n!r} in {written} is not an axis of {mesh_text}{did_you_mean(n, names)}; "
                         f"a group lists mesh axes first, then one dim label"
                     )
                 label = rest[-1]
@@ -153,7 +149,7 @@ def bind(spec: Spec | str, axis_sizes: tuple[tuple[str, int], ...], ndim: int) -
     seen_partial: set[str] = set()
     for a in spec.partial:
         if a not in mesh:
-            problems.append(f"sum({a}) names {a!r}, which is not an axis of {mesh_text}{_did_you_mean(a, names)}")
+            problems.append(f"sum({a}) names {a!r}, which is not an axis of {mesh_text}{did_you_mean(a, names)}")
         elif a in seen_partial:
             problems.append(f"sum(...) names axis {a!r} twice")
         seen_partial.add(a)

@@ -373,15 +373,10 @@ def _finish(x, p: _OutPlan, mesh):
 # == helpers ==============================================================================
 
 
-@functools.lru_cache(maxsize=4096)
-def _bind_cached(spec, mesh_items, ndim):
-    return bind(spec, mesh_items, ndim)
-
-
 def _bind(spec, mesh: Mesh, ndim: int):
     if not isinstance(spec, (str, Spec)):
         raise SpecError(f"a spec must be a string like \"(dp b) d\", got {type(spec).__name__}: {spec!r}")
-    return _bind_cached(spec, tuple(mesh.shape.items()), ndim)
+    return bind(spec, tuple(mesh.shape.items()), ndim)  # bind is lru_cached
 
 
 def _broadcast_specs(specs, tree, what, name, root):

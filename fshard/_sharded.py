@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import optree
 import torch
 import torch.distributed as dist
 
@@ -191,16 +190,6 @@ def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout) -> torch.Tensor:
     return x
 
 
-def local_slices(layout: Layout, mesh: Mesh) -> tuple[tuple[int, int, int], ...]:
-    """``(dim, start, length_divisor_group_index...)`` — this rank's block bounds per split dim."""
-    out = []
-    for d, axes in enumerate(layout.dims):
-        if axes:
-            g = mesh.axis_group(axes)
-            out.append((d, g.index, g.size))
-    return tuple(out)
-
-
 def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -> Sharded:
     """Split a global tensor into a `Sharded` value.
 
@@ -308,5 +297,3 @@ def from_dtensor(dt) -> Sharded:
         raise SpecError("fs.from_dtensor: uneven shards are not supported:\n" + "\n".join(f"  - {p}" for p in problems))
     return Sharded(dt.to_local(), mesh, layout)
 
-
-optree.register_pytree_node  # Sharded is a leaf: optree treats unregistered classes as leaves.
