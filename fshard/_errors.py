@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["FshardError", "SpecError", "MeshError", "CollectiveError", "RankError"]
+__all__ = [
+    "FshardError",
+    "SpecError",
+    "MeshError",
+    "CollectiveError",
+    "ArgumentError",
+    "CheckpointError",
+    "RankError",
+]
 
 
 class FshardError(RuntimeError):
@@ -19,6 +27,14 @@ class MeshError(FshardError):
 
 class CollectiveError(FshardError):
     """A collective was called where it cannot run (outside shard_map, unknown axis, bad arguments)."""
+
+
+class ArgumentError(FshardError, TypeError):
+    """An argument of the wrong type was passed to an fshard function (also a ``TypeError``)."""
+
+
+class CheckpointError(FshardError, ValueError):
+    """A checkpoint cannot be saved or loaded: bad tree, missing or mismatched keys, corrupt files."""
 
 
 class RankError(FshardError):

@@ -157,13 +157,13 @@ class Mesh:
         if self._device_mesh is not None:
             coord = self._device_mesh.get_coordinate()
             self._coord = tuple(int(c) for c in coord)
-            self._ranks = [int(r) for r in self._device_mesh.mesh.flatten().tolist()]
+            self._ranks = tuple(int(r) for r in self._device_mesh.mesh.flatten().tolist())
         else:
             self._coord = tuple(0 for _ in names)
-            self._ranks = [rank]
+            self._ranks = (rank,)
         self.rank = rank
         self._groups: dict[tuple[str, ...], AxisGroup] = _SHARED[cache_key][1] if cache_key else {}
-        self._key = (names, sizes, tuple(self._ranks))
+        self._key = (names, sizes, self._ranks)
         # Bits for axes that can vary (size > 1); used by varying-axes tracking.
         self._bits = {n: (1 << i) for i, (n, s) in enumerate(zip(names, sizes)) if s > 1}
 
@@ -201,6 +201,16 @@ class Mesh:
     def axis_index(self, name: str | tuple[str, ...]) -> int:
         """This rank's coordinate along an axis (first axis major for a tuple)."""
         return self.axis_group(name, "axis_index").index
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global rank at each mesh position, row-major (``ranks[0]`` is the first position)."""
+        return self._ranks
+
+    @property
+    def tracked(self) -> bool:
+        """Whether any axis has size > 1 (values can vary, so shard_map tracks varying axes)."""
+        return bool(self._bits)
 
     @property
     def coordinate(self) -> dict[str, int]:

@@ -38,7 +38,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ._errors import FshardError
+from ._errors import CheckpointError
 from ._layout import Layout
 from ._sharded import Sharded
 
@@ -47,10 +47,6 @@ __all__ = ["save", "load", "latest_step", "steps", "CheckpointError"]
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last, on the coordinator rank
 _SCALARS = (bool, int, float, complex, str, bytes)
-
-
-class CheckpointError(FshardError, ValueError):
-    """A checkpoint does not match the tree it is loaded into (missing keys, other shapes, bad leaves)."""
 
 
 # == API ==================================================================================
