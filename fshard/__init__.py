@@ -28,7 +28,16 @@ from ._collectives import (
     pvary,
 )
 from ._comm import CollectiveCounts, count_collectives
-from ._errors import CollectiveError, FshardError, MeshError, RankError, SpecError
+from ._errors import (
+    ArgumentError,
+    CheckpointError,
+    CollectiveError,
+    FshardError,
+    MeshError,
+    RankError,
+    SpecError,
+)
+from ._layout import Layout
 from ._launch import RankPool, init, launch
 from ._mesh import Mesh
 from ._shard_map import shard_map
@@ -44,6 +53,7 @@ __all__ = [
     "Mesh",
     "Spec",
     "parse_spec",
+    "Layout",
     # the transform and global values
     "shard_map",
     "Sharded",
@@ -81,5 +91,7 @@ __all__ = [
     "SpecError",
     "MeshError",
     "CollectiveError",
+    "ArgumentError",
+    "CheckpointError",
     "RankError",
 ]

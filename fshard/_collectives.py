@@ -1,8 +1,8 @@
-"""Named-axis collectives for use inside ``shard_map``, each with its gradient rule.
+"""Named-axis collectives for use inside ``shard_map``: the public API over ``_primitives``.
 
-Every primitive is a ``torch.autograd.Function`` with a separate ``setup_context``, so
-``loss.backward()``, ``torch.autograd.grad``, ``torch.func.grad`` and ``torch.func.vjp``
-all pass through. The transpose rules follow JAX's shard_map with varying-axes tracking:
+Each function checks its arguments, decides from the varying axes of its operand which
+primitive (``_primitives``) to apply, and tags the result's varying axes. The transpose
+rules follow JAX's shard_map with varying-axes tracking:
 
 =====================  ==============================  ===================================
 op                     varying axes                    gradient
@@ -21,16 +21,25 @@ pmax / pmin            varying -> invariant            to the ranks holding the 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.distributed as dist
 
-from . import _comm, _vma
+from . import _vma
+from ._comm import untracked
 from ._errors import CollectiveError
-from ._mesh import AxisGroup
-from ._vma import apply as _apply
+from ._primitives import (
+    AllGather,
+    AllGatherInvariant,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Extremum,
+    PPermute,
+    ReduceScatter,
+)
+from ._primitives import apply as _apply
 
 __all__ = [
     "psum",
@@ -46,219 +55,6 @@ __all__ = [
     "axis_index",
     "axis_size",
 ]
-
-
-def _untracked(fn):
-    """Run an autograd-Function body with shard_map's tracking mode out of the way."""
-
-    @functools.wraps(fn)
-    def inner(*args, **kwargs):
-        with _comm._no_tf():
-            return fn(*args, **kwargs)
-
-    return inner
-
-
-# -- layout helpers (pure tensor reshapes around the block-stacked comm functions) --------
-
-
-def gather_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
-    blocks = _comm.all_gather_blocks(x, g)  # [N, *x.shape]
-    if not tiled:
-        return blocks.movedim(0, dim)
-    shape = list(x.shape)
-    shape[dim] *= g.size
-    return blocks.movedim(0, dim).reshape(shape)
-
-
-def _split_blocks(x: torch.Tensor, n: int, dim: int, tiled: bool) -> torch.Tensor:
-    """``x`` as ``[n, *block]``: block j is the j-th piece of ``dim``."""
-    if not tiled:
-        return x.movedim(dim, 0)
-    shape = list(x.shape)
-    shape[dim : dim + 1] = [n, shape[dim] // n]
-    return x.reshape(shape).movedim(dim, 0)
-
-
-def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
-    return _comm.reduce_scatter_blocks(_split_blocks(x, g.size, dim, tiled), g)
-
-
-def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
-    """This rank's block of ``x`` along ``dim`` (no communication)."""
-    if not tiled:
-        return x.select(dim, g.index)
-    s = x.shape[dim] // g.size
-    return x.narrow(dim, g.index * s, s)
-
-
-def a2a_dim(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
-    blocks = _split_blocks(x, g.size, split_dim, True)
-    got = _comm.all_to_all_blocks(blocks, g)  # [N, *block]; row i came from index i
-    shape = list(blocks.shape[1:])
-    shape[concat_dim] *= g.size
-    return got.movedim(0, concat_dim).reshape(shape)
-
-
-# -- autograd Functions -------------------------------------------------------------------
-
-
-class AllReduce(torch.autograd.Function):
-    """psum: all-reduce forward; the transpose is pvary (identity, whose own transpose is psum)."""
-
-    @staticmethod
-    @_untracked
-    def forward(x, g):
-        return _comm.all_reduce(x, g)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.g = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
-            return _apply(_vma._Pvary, ct, ctx.g), None
-        return ct, None
-
-
-_vma.PSUM = AllReduce
-
-
-class AllGather(torch.autograd.Function):
-    @staticmethod
-    @_untracked
-    def forward(x, g, dim, tiled):
-        return gather_dim(x, g, dim, tiled)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    @_untracked
-    def backward(ctx, ct):
-        return _apply(ReduceScatter, ct, *ctx.args), None, None, None
-
-
-class AllGatherInvariant(torch.autograd.Function):
-    @staticmethod
-    @_untracked
-    def forward(x, g, dim, tiled):
-        return gather_dim(x, g, dim, tiled)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    @_untracked
-    def backward(ctx, ct):
-        return local_block(ct, *ctx.args), None, None, None
-
-
-class LocalSlice(torch.autograd.Function):
-    """This rank's block of an invariant value (no communication); gradient: all_gather."""
-
-    @staticmethod
-    @_untracked
-    def forward(x, g, dim, tiled):
-        return local_block(x, g, dim, tiled)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    @_untracked
-    def backward(ctx, ct):
-        return _apply(AllGatherInvariant, ct, *ctx.args), None, None, None
-
-
-class ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    @_untracked
-    def forward(x, g, dim, tiled):
-        return scatter_dim(x, g, dim, tiled)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    @_untracked
-    def backward(ctx, ct):
-        return _apply(AllGather, ct, *ctx.args), None, None, None
-
-
-class AllToAll(torch.autograd.Function):
-    @staticmethod
-    @_untracked
-    def forward(x, g, split_dim, concat_dim):
-        return a2a_dim(x, g, split_dim, concat_dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    @_untracked
-    def backward(ctx, ct):
-        g, split_dim, concat_dim = ctx.args
-        return _apply(AllToAll, ct, g, concat_dim, split_dim), None, None, None
-
-
-class PPermute(torch.autograd.Function):
-    @staticmethod
-    @_untracked
-    def forward(x, g, perm):
-        return _comm.permute(x, g, perm)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.g, ctx.perm = inputs[1:]
-
-    @staticmethod
-    @_untracked
-    def backward(ctx, ct):
-        inverse = tuple((d, s) for s, d in ctx.perm)
-        return _apply(PPermute, ct, ctx.g, inverse), None, None
-
-
-class Broadcast(torch.autograd.Function):
-    @staticmethod
-    @_untracked
-    def forward(x, g, src):
-        return _comm.broadcast(x, g, src)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.g, ctx.src = inputs[1:]
-
-    @staticmethod
-    @_untracked
-    def backward(ctx, ct):
-        return (ct if ctx.g.index == ctx.src else torch.zeros_like(ct)), None, None
-
-
-class Extremum(torch.autograd.Function):
-    @staticmethod
-    @_untracked
-    def forward(x, g, op):
-        return _comm.all_reduce(x, g, op)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.g = inputs[1]
-        ctx.save_for_backward(inputs[0], output)
-
-    @staticmethod
-    @_untracked
-    def backward(ctx, ct):
-        x, y = ctx.saved_tensors
-        hit = (x == y).to(ct.dtype)
-        ties = _comm.all_reduce(hit, ctx.g)
-        return ct * hit / ties, None, None
 
 
 # -- public API ---------------------------------------------------------------------------
@@ -292,7 +88,7 @@ def _vary(x, tr, have, bits):
 
 
 def _mul_untracked(x, k):
-    with _comm._no_tf():
+    with untracked():
         return x * k
 
 
@@ -492,7 +288,7 @@ def pvary(x: torch.Tensor, axis) -> torch.Tensor:
 
 
 def _view(x):
-    with _comm._no_tf():
+    with untracked():
         return x.view_as(x)
 
 
@@ -504,7 +300,7 @@ def axis_index(axis) -> torch.Tensor:
     """
     tr = _vma.current("axis_index")
     g = tr.mesh.axis_group(axis, "axis_index")
-    with _comm._no_tf():
+    with untracked():
         t = torch.tensor(g.index, dtype=torch.int64, device=tr.mesh.device)
     return _vma.tag(t, tr, tr.mesh.bits(g.names))
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ._mesh import AxisGroup
 
-__all__ = ["count_collectives", "CollectiveCounts"]
+__all__ = ["count_collectives", "CollectiveCounts"]  # the public part; the rest is internal
 
 
 @dataclass
@@ -83,7 +83,9 @@ def _record(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
             r.records.append(item)
 
 
-_no_tf = torch._C.DisableTorchFunction
+untracked = torch._C.DisableTorchFunction
+"""``with untracked():`` runs tensor ops unseen by shard_map's varying-axes tracking mode
+(the one spelling of "disable torch function" in fshard)."""
 # torch 2.13 renamed the flat-buffer collectives; keep the older names for older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -106,7 +108,7 @@ def _to_blocks_order(t: torch.Tensor, g: AxisGroup, inverse: bool) -> torch.Tens
 
 def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Out-of-place all-reduce of ``t`` over the group."""
-    with _no_tf():
+    with untracked():
         out = t.clone(memory_format=torch.contiguous_format)
         if g.size > 1:
             _record("all_reduce", g, out)
@@ -116,7 +118,7 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Ten
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Gather ``t`` from every index along the axes: returns ``[size, *t.shape]``."""
-    with _no_tf():
+    with untracked():
         t = t.contiguous()
         if g.size == 1:
             return t.unsqueeze(0)
@@ -128,7 +130,7 @@ def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 
 def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``t`` is ``[size, *block]``; returns the sum over ranks of block ``index``."""
-    with _no_tf():
+    with untracked():
         if g.size == 1:
             return t[0].clone()
         t = _to_blocks_order(t, g, inverse=False).contiguous()
@@ -140,7 +142,7 @@ def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 
 def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``t`` is ``[size, *block]``: block j goes to index j; returns what each index sent, stacked."""
-    with _no_tf():
+    with untracked():
         if g.size == 1:
             return t.clone()
         t = _to_blocks_order(t, g, inverse=False).contiguous()
@@ -156,7 +158,7 @@ def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) ->
     Implemented as one ``all_to_all_single`` with zero-sized splits for non-pairs, which
     gloo and NCCL both support.
     """
-    with _no_tf():
+    with untracked():
         me = g.index
         send_to = [d for s, d in perm if s == me]
         recv_from = [s for s, d in perm if d == me]
@@ -182,7 +184,7 @@ def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) ->
 
 def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
     """Every index along the axes receives index ``src``'s ``t``."""
-    with _no_tf():
+    with untracked():
         out = t.clone(memory_format=torch.contiguous_format)
         if g.size > 1:
             _record("broadcast", g, out)

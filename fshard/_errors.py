@@ -54,6 +54,12 @@ class RankError(FshardError):
         return (type(self), (self.args[0], self.rank, self.remote_traceback))
 
 
+# Public classes print as ``fshard.SpecError`` (how users import them), not the private module.
+for _cls in (FshardError, SpecError, MeshError, CollectiveError, ArgumentError, CheckpointError, RankError):
+    _cls.__module__ = "fshard"
+del _cls
+
+
 def did_you_mean(name: str, choices) -> str:
     """`` (did you mean 'x'?)`` for the one closest choice, or ``""`` when none is close or two tie.
 
@@ -69,3 +75,8 @@ def did_you_mean(name: str, choices) -> str:
     if not scored or scored[0][0] < 0.5 or (len(scored) > 1 and scored[1][0] == scored[0][0]):
         return ""
     return f" (did you mean {scored[0][1]!r}?)"
+
+
+def report(head: str, problems) -> str:
+    """The one shape of a multi-problem message: ``head:`` then one ``  - problem`` line each."""
+    return head + ":\n" + "\n".join(f"  - {p}" for p in problems)

@@ -11,15 +11,27 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ._errors import did_you_mean
-from ._spec import Spec, parse_spec
+from ._errors import SpecError, did_you_mean, report
+from ._spec import Dim, Spec, parse_spec
 
-__all__ = ["Layout", "bind"]
+__all__ = ["Layout", "bind", "bind_or_raise", "divisibility_problems"]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Per-dimension mesh axes (major first), labels, and partial-sum axes."""
+    """How a global tensor is laid out over a mesh: the bound form of a spec.
+
+    Attributes:
+        dims: per tensor dim, the mesh axes that split it, major first (``()``: not split).
+        labels: per tensor dim, the dim's name in the spec (None under ``...``).
+        partial: mesh axes over which a shard_map output is an unreduced partial sum
+            (``| sum(...)``); ``()`` for stored values.
+
+    Examples:
+        >>> layout = fs.Sharded(torch.zeros(4, 3), mesh, "(dp b) d").layout   # mesh: dp=2
+        >>> layout.dims, layout.split_axes, str(layout)
+        ((('dp',), ()), ('dp',), '(dp b) d')
+    """
 
     dims: tuple[tuple[str, ...], ...]
     labels: tuple[str | None, ...]
@@ -27,30 +39,82 @@ class Layout:
 
     @functools.cached_property
     def split_axes(self) -> tuple[str, ...]:
+        """Every mesh axis that splits some dim, in dim order."""
         return tuple(a for d in self.dims for a in d)
 
     @property
     def is_split(self) -> bool:
+        """Whether any dim is split."""
         return bool(self.split_axes)
 
     def same_placement(self, other: "Layout") -> bool:
+        """Same splits and partial sums (labels may differ)."""
         return self.dims == other.dims and self.partial == other.partial
 
+    # -- partial sums: what an output needs on the way out -----------------------------------
+
+    @functools.cached_property
+    def scatter_dims(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """``(dim, axes)`` for each dim split over summed axes: a reduce-scatter over ``axes``."""
+        partial = set(self.partial)
+        out = []
+        for d, axes in enumerate(self.dims):
+            summed = tuple(a for a in axes if a in partial)
+            if summed:
+                out.append((d, summed))
+        return tuple(out)
+
+    @functools.cached_property
+    def reduce_axes(self) -> tuple[str, ...]:
+        """Summed axes that split no dim: an all-reduce over them."""
+        return tuple(a for a in self.partial if a not in self.split_axes)
+
+    def reduced(self) -> "Layout":
+        """The layout of the value once its partial sums are reduced."""
+        return Layout(self.dims, self.labels) if self.partial else self
+
+    # -- shapes and blocks -------------------------------------------------------------------
+
     def local_shape(self, shape, mesh_shape: dict) -> tuple[int, ...]:
+        """The shape of one block of a global ``shape``."""
         return tuple(s // math.prod(mesh_shape[a] for a in d) for s, d in zip(shape, self.dims))
 
     def global_shape(self, shape, mesh_shape: dict) -> tuple[int, ...]:
+        """The global shape whose blocks have ``shape``."""
         return tuple(s * math.prod(mesh_shape[a] for a in d) for s, d in zip(shape, self.dims))
 
+    def block_index(self, dim: int, mesh_shape: dict, coord: dict) -> int:
+        """Index of the block of ``dim`` held at mesh coordinate ``coord`` (first axis major)."""
+        idx = 0
+        for a in self.dims[dim]:
+            idx = idx * mesh_shape[a] + coord[a]
+        return idx
+
+    def block(self, shape, mesh_shape: dict, coord: dict) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` per dim of the block of a global ``shape`` held at ``coord``.
+
+        The one place that says which part of a global value a rank holds.
+
+        Examples:
+            >>> layout.block((8, 6), {"dp": 2, "tp": 2}, {"dp": 1, "tp": 0})   # "(dp b) (tp k)"
+            ((4, 4), (0, 3))
+        """
+        out = []
+        for d, (size, axes) in enumerate(zip(shape, self.dims)):
+            if not axes:
+                out.append((0, size))
+                continue
+            n = size // math.prod(mesh_shape[a] for a in axes)
+            out.append((self.block_index(d, mesh_shape, coord) * n, n))
+        return tuple(out)
+
     def spec_text(self) -> str:
-        parts = []
-        for i, (axes, label) in enumerate(zip(self.dims, self.labels)):
-            name = label or f"d{i}"
-            parts.append(f"({' '.join(axes)} {name})" if axes else name)
-        text = " ".join(parts)
-        if self.partial:
-            text += f" | sum({' '.join(self.partial)})"
-        return text
+        """The layout as spec text; unnamed dims are written ``d0``, ``d1``, ..."""
+        dims = tuple(
+            Dim(tuple(axes) + (label or f"d{i}",), grouped=bool(axes))
+            for i, (axes, label) in enumerate(zip(self.dims, self.labels))
+        )
+        return str(Spec(dims, tuple(self.partial)))
 
     def __str__(self) -> str:
         return self.spec_text()
@@ -180,3 +244,23 @@ def divisibility_problems(layout: Layout, shape, mesh_shape: dict) -> list[str]:
                 f"pad it to {-(-size // n) * n}"
             )
     return out
+
+
+def bind_or_raise(spec, mesh, shape, where: str, *, local: bool = False) -> Layout:
+    """Bind ``spec`` for a stored value of ``shape`` on ``mesh``, or raise one SpecError listing
+    every problem. ``local=True``: ``shape`` is a block's shape (no divisibility check)."""
+    if isinstance(spec, Layout):
+        layout, problems = spec, ()
+    elif not isinstance(spec, (str, Spec)):
+        raise SpecError(f"{where}: a spec must be a string like \"(dp b) d\", got {type(spec).__name__}: {spec!r}")
+    else:
+        layout, problems = bind(spec, tuple(mesh.shape.items()), len(shape))
+    problems = list(problems)
+    if layout is not None and not local:
+        problems += divisibility_problems(layout, shape, mesh.shape)
+    if layout is not None and layout.partial:
+        problems.append("a partial-sum spec (| sum(...)) describes a shard_map output, not a stored value")
+    if problems:
+        word = "local shape" if local else "shape"
+        raise SpecError(report(f"{where}: spec {str(spec)!r} for {word} {tuple(shape)} on {mesh!r}", problems))
+    return layout

@@ -8,17 +8,18 @@ collectives the output specs imply.
 
 from __future__ import annotations
 
+import enum
 import functools
 
 import optree
 import torch
 
 from . import _vma
-from ._collectives import AllReduce, LocalSlice, ReduceScatter
-from ._errors import FshardError, SpecError
+from ._errors import ArgumentError, FshardError, SpecError, report
 from ._layout import Layout, bind, divisibility_problems
 from ._mesh import Mesh
-from ._vma import apply as _apply
+from ._primitives import AllReduce, LocalSlice, ReduceScatter
+from ._primitives import apply as _apply
 from ._sharded import Sharded, relayout
 from ._spec import Spec, parse_spec
 
@@ -67,8 +68,25 @@ def shard_map(f=None, /, *, mesh: Mesh, in_specs, out_specs, check: bool = True)
     if f is None:
         return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check=check)
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"fs.shard_map: mesh must be an fs.Mesh, got {type(mesh).__name__}")
+        raise ArgumentError(f"fs.shard_map: mesh must be an fs.Mesh, got {type(mesh).__name__}")
     return _ShardMapped(f, mesh, in_specs, out_specs, check)
+
+
+class InKind(enum.Enum):
+    """How an input leaf becomes its local block."""
+
+    PASS = "pass"  # not a tensor: passed through
+    GLOBAL = "global"  # a plain tensor holding the global value: sliced locally
+    SHARDED = "sharded"  # a Sharded value in the wanted layout: its local block
+    RESHARD = "reshard"  # a Sharded value in another layout: moved first
+
+
+class OutKind(enum.Enum):
+    """What an output leaf becomes."""
+
+    PASS = "pass"  # not a tensor: returned as is
+    PLAIN = "plain"  # a plain tensor, the same on every rank
+    SHARDED = "sharded"  # a Sharded value
 
 
 class _InPlan:
@@ -76,8 +94,8 @@ class _InPlan:
 
     __slots__ = ("kind", "layout", "bits", "slices", "groups")
 
-    def __init__(self, kind, layout=None, bits=0, slices=(), groups=()):
-        self.kind = kind  # "pass" | "global" | "sharded" | "reshard"
+    def __init__(self, kind: InKind, layout=None, bits=0, slices=(), groups=()):
+        self.kind = kind
         self.layout = layout
         self.bits = bits
         self.slices = slices  # ((dim, start, length), ...)
@@ -87,8 +105,8 @@ class _InPlan:
 class _OutPlan:
     __slots__ = ("kind", "layout", "allowed", "reduce", "scatter", "path", "spec")
 
-    def __init__(self, kind, layout=None, allowed=0, reduce=None, scatter=(), path="", spec=""):
-        self.kind = kind  # "pass" | "plain" | "sharded"
+    def __init__(self, kind: OutKind, layout=None, allowed=0, reduce=None, scatter=(), path="", spec=""):
+        self.kind = kind
         self.layout = layout
         self.allowed = allowed  # vma bits the value may vary over
         self.reduce = reduce  # AxisGroup for an all-reduce of partial axes, or None
@@ -108,7 +126,7 @@ class _ShardMapped:
         self.name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
         self._in_plans: dict = {}
         self._out_plans: dict = {}
-        self._tracked = bool(mesh._bits)  # any axis of size > 1: varying-axes tracking on
+        self._tracked = mesh.tracked  # any axis of size > 1: varying-axes tracking on
         self._out_specs_checked = False
 
     def __repr__(self) -> str:
@@ -116,13 +134,14 @@ class _ShardMapped:
 
     def __call__(self, *args, **kwargs):
         if kwargs:
-            raise TypeError(
+            raise ArgumentError(
                 f"fs.shard_map({self.name}) takes positional arguments only (in_specs matches them "
                 f"by position); got keyword arguments {sorted(kwargs)}"
             )
-        if _vma._stack:
+        outer = _vma.active()
+        if outer is not None:
             raise FshardError(
-                f"fs.shard_map({self.name}) was called inside fs.shard_map({_vma._stack[-1].where}); "
+                f"fs.shard_map({self.name}) was called inside fs.shard_map({outer.where}); "
                 f"nested shard_map is not supported: call the inner function's body directly on the "
                 f"local tensors, using collectives for communication"
             )
@@ -137,16 +156,8 @@ class _ShardMapped:
         mesh = self.mesh
         tr = _vma.Trace(mesh, self.name)
         local_args = optree.tree_unflatten(treedef, [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)])
-        _vma._stack.append(tr)
-        try:
-            if self._tracked:
-                with _vma.VmaMode(tr):
-                    out = self.f(*local_args)
-            else:
-                out = self.f(*local_args)
-        finally:
-            _vma._stack.pop()
-            tr.pvary_cache.clear()
+        with tr:
+            out = self.f(*local_args)
         out_leaves, out_treedef = optree.tree_flatten(out)
         okey = (out_treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves])
         oplans = self._out_plans.get(okey)
@@ -172,7 +183,7 @@ class _ShardMapped:
         label_sizes: dict[str, tuple[int, str]] = {}
         for x, spec, path, template in zip(leaves, specs, paths, shared):
             if not isinstance(x, (_Tensor, Sharded)):
-                plans.append(_InPlan("pass"))
+                plans.append(_InPlan(InKind.PASS))
                 continue
             shape = tuple(x.shape)
             try:
@@ -217,16 +228,12 @@ class _ShardMapped:
         bits = mesh.bits(layout.split_axes)
         if isinstance(x, Sharded):
             if x.layout.dims == layout.dims:
-                return _InPlan("sharded", layout, bits)
-            return _InPlan("reshard", layout, bits)
-        slices, groups = [], []
-        for d, axes in enumerate(layout.dims):
-            if axes:
-                g = mesh.axis_group(axes)
-                n = x.shape[d] // g.size
-                slices.append((d, g.index * n, n))
-                groups.append((d, g))
-        return _InPlan("global", layout, bits, tuple(slices), tuple(groups))
+                return _InPlan(InKind.SHARDED, layout, bits)
+            return _InPlan(InKind.RESHARD, layout, bits)
+        block = layout.block(x.shape, mesh.shape, mesh.coordinate)
+        slices = tuple((d, *block[d]) for d, axes in enumerate(layout.dims) if axes)
+        groups = tuple((d, mesh.axis_group(axes)) for d, axes in enumerate(layout.dims) if axes)
+        return _InPlan(InKind.GLOBAL, layout, bits, slices, groups)
 
     def _precheck_out_specs(self):
         """Problems of out_specs that do not depend on f's outputs, found before f runs."""
@@ -256,7 +263,7 @@ class _ShardMapped:
             if not isinstance(x, _Tensor):
                 if isinstance(x, Sharded):
                     problems.append(f"{path}: f returned a Sharded value; return local tensors from f")
-                plans.append(_OutPlan("pass"))
+                plans.append(_OutPlan(OutKind.PASS))
                 continue
             shape = tuple(x.shape)
             try:
@@ -269,25 +276,20 @@ class _ShardMapped:
                 problems += [f"{path} (local shape {shape}) with spec {str(spec)!r}: {p}" for p in probs]
                 plans.append(None)
                 continue
-            partial = set(layout.partial)
             scatter = []
-            for d, axes in enumerate(layout.dims):
-                sc = tuple(a for a in axes if a in partial)
-                if sc:
-                    g = mesh.axis_group(sc)
-                    if shape[d] % g.size:
-                        problems.append(
-                            f"{path} (local shape {shape}) with spec {str(spec)!r}: dim {d} of size {shape[d]} "
-                            f"is reduce-scattered over {' '.join(sc)} (size {g.size}), which does not divide it; "
-                            f"pad it to {-(-shape[d] // g.size) * g.size}"
-                        )
-                    scatter.append((d, g))
-            rest = tuple(a for a in layout.partial if a not in layout.split_axes)
-            reduce = mesh.axis_group(rest) if rest else None
+            for d, sc in layout.scatter_dims:
+                g = mesh.axis_group(sc)
+                if shape[d] % g.size:
+                    problems.append(
+                        f"{path} (local shape {shape}) with spec {str(spec)!r}: dim {d} of size {shape[d]} "
+                        f"is reduce-scattered over {' '.join(sc)} (size {g.size}), which does not divide it; "
+                        f"pad it to {-(-shape[d] // g.size) * g.size}"
+                    )
+                scatter.append((d, g))
+            reduce = mesh.axis_group(layout.reduce_axes) if layout.reduce_axes else None
             allowed = mesh.bits(layout.split_axes + layout.partial)
-            final = Layout(layout.dims, layout.labels) if layout.partial else layout
-            kind = "sharded" if layout.is_split else "plain"
-            plans.append(_OutPlan(kind, final, allowed, reduce, tuple(scatter), path, str(spec)))
+            kind = OutKind.SHARDED if layout.is_split else OutKind.PLAIN
+            plans.append(_OutPlan(kind, layout.reduced(), allowed, reduce, tuple(scatter), path, str(spec)))
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems))
         return plans
@@ -298,7 +300,7 @@ class _ShardMapped:
         problems = []
         mesh = self.mesh
         for x, p in zip(leaves, plans):
-            if p.kind == "pass":
+            if p.kind is OutKind.PASS:
                 continue
             extra = _vma.get(x, tr) & ~p.allowed
             if extra:
@@ -323,15 +325,15 @@ def _leaf_key(x):
     if isinstance(x, _Tensor):
         return (x.shape, x.dtype)
     if isinstance(x, Sharded):
-        return ("S", x.local.shape, x.dtype, x.layout, x.mesh._key)
+        return ("S", x.local.shape, x.dtype, x.layout, x.mesh)
     return type(x)
 
 
 def _localize(x, p: _InPlan, tr, mesh):
     kind = p.kind
-    if kind == "pass":
+    if kind is InKind.PASS:
         return x
-    if kind == "global":
+    if kind is InKind.GLOBAL:
         if p.slices:
             if x.requires_grad and torch.is_grad_enabled():
                 for d, g in p.groups:
@@ -339,7 +341,7 @@ def _localize(x, p: _InPlan, tr, mesh):
             else:
                 for d, start, n in p.slices:
                     x = x.narrow(d, start, n)
-    elif kind == "sharded":
+    elif kind is InKind.SHARDED:
         x = x.local
     else:
         x = relayout(x.local, mesh, x.layout, p.layout)
@@ -349,7 +351,7 @@ def _localize(x, p: _InPlan, tr, mesh):
 
 
 def _vary_out(x, p: _OutPlan, tr):
-    if p.kind == "pass" or not p.allowed or not x.requires_grad:
+    if p.kind is OutKind.PASS or not p.allowed or not x.requires_grad:
         return x
     v = _vma.get(x, tr)
     if p.allowed & ~v:
@@ -359,13 +361,13 @@ def _vary_out(x, p: _OutPlan, tr):
 
 def _finish(x, p: _OutPlan, mesh):
     kind = p.kind
-    if kind == "pass":
+    if kind is OutKind.PASS:
         return x
     if p.reduce is not None:
         x = _apply(AllReduce, x, p.reduce)
     for d, g in p.scatter:
         x = _apply(ReduceScatter, x, g, d, True)
-    if kind == "plain":
+    if kind is OutKind.PLAIN:
         return x
     return Sharded(x, mesh, p.layout)
 
@@ -465,5 +467,5 @@ def _report(name: str, what: str, problems: list[str], kind: str | None = None) 
     head = f"fs.shard_map({name}): {n} problem{'s' if n != 1 else ''} with {what}"
     if kind:
         head += f" ({kind})"
-    return head + ":\n" + "\n".join(f"  - {p}" for p in problems)
+    return report(head, problems)
 

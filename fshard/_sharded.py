@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._collectives import AllGatherInvariant, AllToAll, LocalSlice
-from ._errors import MeshError, SpecError
-from ._layout import Layout, bind, divisibility_problems
+from ._errors import ArgumentError, MeshError, SpecError, report
+from ._layout import Layout, bind_or_raise, divisibility_problems
 from ._mesh import Mesh
-from ._vma import apply as _apply
+from ._primitives import AllGatherInvariant, AllToAll, LocalSlice
+from ._primitives import apply as _apply
 
 __all__ = ["Sharded", "shard", "from_dtensor"]
-
-
-def _bind_or_raise(
-    spec, mesh: Mesh, ndim: int, shape, where: str, check_div: bool = True, shape_word: str = "shape"
-) -> Layout:
-    if isinstance(spec, Layout):
-        layout, problems = spec, ()
-    else:
-        layout, problems = bind(spec, tuple(mesh.shape.items()), ndim)
-    problems = list(problems)
-    if layout is not None and check_div:
-        problems += divisibility_problems(layout, shape, mesh.shape)
-    if layout is not None and layout.partial:
-        problems.append("a partial-sum spec (| sum(...)) describes a shard_map output, not a stored value")
-    if problems:
-        body = "\n".join(f"  - {p}" for p in problems)
-        raise SpecError(f"{where}: spec {str(spec)!r} for {shape_word} {tuple(shape)} on {mesh!r}:\n{body}")
-    return layout
 
 
 class Sharded:
@@ -54,11 +35,11 @@ class Sharded:
 
     def __init__(self, local: torch.Tensor, mesh: Mesh, spec):
         if not isinstance(local, torch.Tensor):
-            raise TypeError(f"fs.Sharded needs a torch.Tensor local block, got {type(local).__name__}")
+            raise ArgumentError(f"fs.Sharded needs a torch.Tensor local block, got {type(local).__name__}")
         self.local = local
         self.mesh = mesh
-        self.layout = spec if isinstance(spec, Layout) else _bind_or_raise(
-            spec, mesh, local.dim(), local.shape, "fs.Sharded", check_div=False, shape_word="local shape"
+        self.layout = spec if isinstance(spec, Layout) else bind_or_raise(
+            spec, mesh, local.shape, "fs.Sharded", local=True
         )
 
     # -- global description -----------------------------------------------------------------
@@ -134,7 +115,7 @@ class Sharded:
             >>> x = fs.shard(t, mesh, "(sp s) h d")
             >>> y = x.reshard("s (sp h) d")     # one all_to_all over sp
         """
-        target = _bind_or_raise(spec, self.mesh, self.ndim, self.shape, "Sharded.reshard")
+        target = bind_or_raise(spec, self.mesh, self.shape, "Sharded.reshard")
         return Sharded(relayout(self.local, self.mesh, self.layout, target), self.mesh, target)
 
     def to_dtensor(self):
@@ -212,14 +193,9 @@ def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -
     """
     if src is None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"fs.shard expects a torch.Tensor, got {type(x).__name__}")
-        layout = _bind_or_raise(spec, mesh, x.dim(), x.shape, "fs.shard")
-        local = x
-        for d, axes in enumerate(layout.dims):
-            if axes:
-                g = mesh.axis_group(axes)
-                n = x.shape[d] // g.size
-                local = local.narrow(d, g.index * n, n)
+            raise ArgumentError(f"fs.shard expects a torch.Tensor, got {type(x).__name__}")
+        layout = bind_or_raise(spec, mesh, x.shape, "fs.shard")
+        local = _block(x, layout, mesh, mesh.coordinate)
         return Sharded(local.clone() if local is not x else local, mesh, layout)
     # scatter from one rank
     if not dist.is_initialized():
@@ -232,31 +208,31 @@ def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -
             meta = [f"fs.shard(src={src}) needs a tensor on rank {src}, got {type(x).__name__}"]
     _comm.broadcast_object(meta, src)
     if isinstance(meta[0], str):
-        raise TypeError(meta[0])
+        raise ArgumentError(meta[0])
     shape, dtype = meta[0]
-    layout = _bind_or_raise(spec, mesh, len(shape), shape, "fs.shard")
+    layout = bind_or_raise(spec, mesh, shape, "fs.shard")
     local_shape = layout.local_shape(shape, mesh.shape)
     out = torch.empty(local_shape, dtype=dtype, device=mesh.device)
     blocks = None
     if dist.get_rank() == src:
-        blocks = []
-        for r in range(dist.get_world_size()):
-            coord = _coord_of(mesh, r)
-            blk = x
-            for d, axes in enumerate(layout.dims):
-                if axes:
-                    idx = 0
-                    for a in axes:
-                        idx = idx * mesh.shape[a] + coord[a]
-                    n = shape[d] // math.prod(mesh.shape[a] for a in axes)
-                    blk = blk.narrow(d, idx * n, n)
-            blocks.append(blk.contiguous().to(mesh.device))
+        blocks = [
+            _block(x, layout, mesh, _coord_of(mesh, r)).contiguous().to(mesh.device)
+            for r in range(dist.get_world_size())
+        ]
     _comm.scatter(out, blocks, src)
     return Sharded(out, mesh, layout)
 
 
+def _block(x: torch.Tensor, layout: Layout, mesh: Mesh, coord: dict) -> torch.Tensor:
+    """The block of global ``x`` held at mesh coordinate ``coord`` (a view)."""
+    for d, (start, n) in enumerate(layout.block(x.shape, mesh.shape, coord)):
+        if layout.dims[d]:
+            x = x.narrow(d, start, n)
+    return x
+
+
 def _coord_of(mesh: Mesh, rank: int) -> dict[str, int]:
-    flat = mesh._ranks.index(rank)
+    flat = mesh.ranks.index(rank)
     coord = {}
     for n in reversed(mesh.axis_names):
         coord[n] = flat % mesh.shape[n]
@@ -294,6 +270,6 @@ def from_dtensor(dt) -> Sharded:
     layout = Layout(tuple(tuple(d) for d in dims), tuple(None for _ in dims))
     problems = divisibility_problems(layout, dt.shape, mesh.shape)
     if problems:
-        raise SpecError("fs.from_dtensor: uneven shards are not supported:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise SpecError(report("fs.from_dtensor: uneven shards are not supported", problems))
     return Sharded(dt.to_local(), mesh, layout)
 

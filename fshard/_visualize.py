@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import math
 
+from ._errors import ArgumentError
+from ._layout import bind_or_raise
 from ._mesh import Mesh
-from ._sharded import Sharded, _bind_or_raise
+from ._sharded import Sharded
 
 __all__ = ["visualize"]
 
@@ -30,23 +31,16 @@ def visualize(x: Sharded | str, shape=None, mesh: Mesh | None = None) -> str:
         layout, shape, mesh = x.layout, tuple(x.shape), x.mesh
     else:
         if shape is None or mesh is None:
-            raise TypeError("fs.visualize(spec, shape=..., mesh=...) needs both shape and mesh")
+            raise ArgumentError("fs.visualize(spec, shape=..., mesh=...) needs both shape and mesh")
         shape = tuple(shape)
-        layout = _bind_or_raise(x, mesh, len(shape), shape, "fs.visualize")
+        layout = bind_or_raise(x, mesh, shape, "fs.visualize")
     sizes = mesh.shape
     names = mesh.axis_names
     blocks: dict[tuple, list[tuple[int, dict]]] = {}
     for flat, coord in enumerate(itertools.product(*[range(sizes[n]) for n in names])):
         c = dict(zip(names, coord))
-        rng = []
-        for d, axes in enumerate(layout.dims):
-            n = math.prod(sizes[a] for a in axes)
-            idx = 0
-            for a in axes:
-                idx = idx * sizes[a] + c[a]
-            step = shape[d] // n
-            rng.append((idx * step, (idx + 1) * step))
-        blocks.setdefault(tuple(rng), []).append((mesh._ranks[flat] if mesh._ranks else flat, c))
+        rng = tuple((start, start + n) for start, n in layout.block(shape, sizes, c))
+        blocks.setdefault(rng, []).append((mesh.ranks[flat], c))
     local = layout.local_shape(shape, sizes)
     copies = mesh.size // len(blocks)
     lines = [

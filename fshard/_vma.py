@@ -19,9 +19,9 @@ import itertools
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm
 from ._errors import CollectiveError
 from ._mesh import Mesh
+from ._primitives import Pvary, apply
 
 _ATTR = "_fshard_vma"
 _Tensor = torch.Tensor
@@ -31,19 +31,38 @@ _ids = itertools.count(1)
 
 
 class Trace:
-    """State of one running shard_map call on this rank.
+    """State of one running shard_map call on this rank; a context manager that runs its body.
 
-    Tags on tensors hold the trace's integer ``id`` (not the trace), so tensors stay
-    picklable and keep nothing alive after the call.
+    ``with trace:`` makes it the innermost trace (what collectives see) and, when the mesh has
+    an axis of size > 1, propagates varying axes through every torch op with `VmaMode`. Tags
+    on tensors hold the trace's integer ``id`` (not the trace), so tensors stay picklable and
+    keep nothing alive after the call.
     """
 
-    __slots__ = ("mesh", "pvary_cache", "where", "id")
+    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode")
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh
         self.where = where
         self.pvary_cache: dict = {}
         self.id = next(_ids)
+        self._mode = None
+
+    def __enter__(self) -> "Trace":
+        _stack.append(self)
+        if self.mesh.tracked:
+            self._mode = VmaMode(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+                self._mode = None
+        finally:
+            _stack.pop()
+            self.pvary_cache.clear()
 
 
 _stack: list[Trace] = []
@@ -84,40 +103,6 @@ def tag(t, tr: Trace, bits: int):
     return t
 
 
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
-_functorch_active = torch._C._are_functorch_transforms_active
-
-
-def apply(cls, *args):
-    """``cls.apply(*args)`` without the ``inspect.signature`` call that ``Function.apply`` makes
-    for setup_context-style Functions (about 13 us each); the full path under torch.func."""
-    if _functorch_active():
-        return cls.apply(*args)
-    return _FUNCTION_APPLY.__get__(None, cls)(*args)
-
-
-class _Pvary(torch.autograd.Function):
-    """Identity forward; the backward sums the cotangent over the newly varying axes."""
-
-    @staticmethod
-    def forward(x, g):
-        with _comm._no_tf():
-            return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.g = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        if torch.is_grad_enabled():  # double backward: keep the psum differentiable
-            return apply(PSUM, ct, ctx.g), None
-        return _comm.all_reduce(ct, ctx.g), None
-
-
-PSUM = None  # the differentiable psum Function; set by _collectives (which imports this module)
-
-
 def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     """Cast ``x`` (varying over ``have``) to vary over ``want``; cached within the trace."""
     missing = want & ~have
@@ -128,7 +113,7 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     if hit is not None:
         return hit[1]
     g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
-    out = apply(_Pvary, x, g)
+    out = apply(Pvary, x, g)
     tag(out, tr, have | missing)
     tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
     return out

@@ -23,7 +23,7 @@ import optree
 import torch
 
 from . import _vma
-from ._comm import all_reduce
+from ._comm import all_reduce, untracked
 from ._sharded import Sharded
 
 __all__ = ["Optimizer", "sgd", "adamw", "clip_by_global_norm", "global_norm", "local_tensors"]
@@ -160,7 +160,7 @@ def global_norm(grads) -> torch.Tensor:
             t = x
         else:
             continue
-        with _no_tf():
+        with untracked():
             sq = t.detach().float().square().sum()
             if mesh is not None:
                 copies = mesh.size // math.prod(mesh.axis_size(a) for a in split) if split else mesh.size
@@ -168,16 +168,12 @@ def global_norm(grads) -> torch.Tensor:
             total = sq if total is None else total + sq
     if total is None:
         return torch.zeros(())
-    with _no_tf():
+    with untracked():
         if mesh is not None and mesh.size > 1:
             total = all_reduce(total, mesh.axis_group(mesh.axis_names))
             if tr is not None:
                 _vma.tag(total, tr, 0)
         return total.sqrt()
-
-
-def _no_tf():
-    return torch._C.DisableTorchFunction()
 
 
 @torch.no_grad()

@@ -16,6 +16,8 @@ import hashlib
 import torch
 
 from . import _vma
+from ._comm import untracked
+from ._errors import ArgumentError
 from ._mesh import Mesh
 from ._sharded import Sharded, shard
 
@@ -33,7 +35,7 @@ def _place(t: torch.Tensor, mesh: Mesh | None, spec, device):
     if mesh is None:
         return t.to(device) if device is not None else t
     if spec is None:
-        raise ValueError("pass spec= together with mesh=")
+        raise ArgumentError("fs.random: pass spec= together with mesh= (the layout of the result)")
     s = shard(t.to(mesh.device), mesh, spec)
     return s
 
@@ -105,7 +107,7 @@ def dropout(x: torch.Tensor, p: float, seed: int, *, training: bool = True) -> t
     if not training or p == 0.0:
         return x
     g = generator(seed, like=x)
-    with torch._C.DisableTorchFunction():
+    with untracked():
         keep = torch.rand(x.shape, generator=g, device=x.device) >= p
         mask = keep.to(x.dtype) / (1.0 - p)
     return x * mask

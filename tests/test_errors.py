@@ -202,7 +202,7 @@ CASES = {
         lambda m: fs.shard_map(_kw, mesh=m, in_specs=("b", "b"), out_specs="b")(
             torch.ones(2), y=torch.ones(2)
         ),
-        "TypeError",
+        "ArgumentError",
         (
             "fs.shard_map(_kw) takes positional arguments only (in_specs matches them by position); got "
             "keyword arguments ['y']"
@@ -210,7 +210,7 @@ CASES = {
     ),
     "mesh_not_a_mesh": (
         lambda m: fs.shard_map(_ident, mesh={"dp": 2, "tp": 2}, in_specs="b", out_specs="b"),
-        "TypeError",
+        "ArgumentError",
         "fs.shard_map: mesh must be an fs.Mesh, got dict",
     ),
     "sharded_on_other_mesh": (
@@ -262,7 +262,7 @@ CASES = {
     ),
     "shard_not_a_tensor": (
         lambda m: fs.shard([1.0, 2.0], m, "b"),
-        "TypeError",
+        "ArgumentError",
         "fs.shard expects a torch.Tensor, got list",
     ),
     "reshard_not_divisible": (
@@ -283,7 +283,7 @@ CASES = {
     ),
     "sharded_constructor_not_tensor": (
         lambda m: fs.Sharded([1.0], m, "b"),
-        "TypeError",
+        "ArgumentError",
         "fs.Sharded needs a torch.Tensor local block, got list",
     ),
     # Mesh on a 4-rank world
@@ -332,6 +332,9 @@ def test_error_classes():
     assert issubclass(fs.SpecError, fs.FshardError) and issubclass(fs.SpecError, ValueError)
     assert issubclass(fs.MeshError, fs.FshardError) and issubclass(fs.CollectiveError, fs.FshardError)
     assert issubclass(fs.FshardError, RuntimeError)
+    # wrong argument types are FshardErrors that `except TypeError` still catches
+    assert issubclass(fs.ArgumentError, fs.FshardError) and issubclass(fs.ArgumentError, TypeError)
+    assert issubclass(fs.CheckpointError, fs.FshardError) and fs.checkpoint.CheckpointError is fs.CheckpointError
 
 
 # --- pytree structure mismatches (the message says in words where specs and values part ways) --------
@@ -509,8 +512,8 @@ def test_shard_src_missing_tensor_raises_on_every_rank():
     with pytest.raises(RankError) as err:
         run_ranks(2, _rank_shard_src_missing, timeout=30)
     text = str(err.value)
-    msg = "raised TypeError: fs.shard(src=0) needs a tensor on rank 0, got NoneType"
+    msg = "raised fshard.ArgumentError: fs.shard(src=0) needs a tensor on rank 0, got NoneType"
     # whichever rank's report arrives first is named first; both must have raised
     first, other = (0, 1) if f"rank 0 (of 2) {msg}" in text else (1, 0)
     assert f"rank {first} (of 2) {msg}" in text, text.splitlines()[:3]
-    assert f"also: rank {other} raised TypeError" in text, text.splitlines()[:3]
+    assert f"also: rank {other} raised fshard.ArgumentError" in text, text.splitlines()[:3]

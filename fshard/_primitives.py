@@ -1,0 +1,324 @@
+"""The differentiable communication primitives: one ``torch.autograd.Function`` per collective.
+
+Each Function's ``backward`` is its transpose, written in terms of the other Functions here, so
+adding a collective with its transpose touches this file (plus the public wrapper in
+``_collectives.py`` and ``__init__``). The module depends only on the communication layer
+(``_comm``): varying-axes tracking (``_vma``) and the public collectives build on it.
+
+=====================  ==============================  ===================================
+Function               forward                         backward (transpose)
+=====================  ==============================  ===================================
+Pvary                  identity                        AllReduce (psum), no-op if unused
+AllReduce              all-reduce (psum)               Pvary: identity, no communication
+AllGather              all-gather                      ReduceScatter
+AllGatherInvariant     all-gather to an invariant      LocalSlice: no communication
+LocalSlice             this rank's block               AllGatherInvariant
+ReduceScatter          reduce-scatter                  AllGather
+AllToAll               all-to-all                      AllToAll, split and concat swapped
+PPermute               point-to-point pairs            PPermute with the pairs reversed
+Broadcast              broadcast from one index        cotangent kept on the source only
+Extremum               all-reduce max / min            to the ranks holding the extremum,
+                                                       split evenly among ties
+=====================  ==============================  ===================================
+
+Every Function has a separate ``setup_context``, so ``loss.backward()``,
+``torch.autograd.grad``, ``torch.func.grad`` and ``torch.func.vjp`` all pass through. Outputs
+are never views of buffers made inside ``forward``, so users may update them in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _comm
+from ._comm import untracked
+from ._mesh import AxisGroup
+
+__all__ = [
+    "apply",
+    "Pvary",
+    "AllReduce",
+    "AllGather",
+    "AllGatherInvariant",
+    "LocalSlice",
+    "ReduceScatter",
+    "AllToAll",
+    "PPermute",
+    "Broadcast",
+    "Extremum",
+    "gather_dim",
+    "scatter_dim",
+    "local_block",
+    "a2a_dim",
+]
+
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def apply(cls, *args):
+    """``cls.apply(*args)`` without the ``inspect.signature`` call that ``Function.apply`` makes
+    for setup_context-style Functions (about 13 us each); the full path under torch.func."""
+    if _functorch_active():
+        return cls.apply(*args)
+    return _FUNCTION_APPLY.__get__(None, cls)(*args)
+
+
+def _untracked(fn):
+    """Run an autograd-Function body with shard_map's tracking mode out of the way."""
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        with untracked():
+            return fn(*args, **kwargs)
+
+    return inner
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor that is not a view, sharing its storage (no copy).
+
+    An autograd Function's output that is a view of a buffer made inside ``forward`` cannot be
+    modified in place ("Output 0 of ... is a view"); the buffer is private, so the output may
+    own its storage instead.
+    """
+    if t._base is None:
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+# -- layout helpers (pure tensor reshapes around the block-stacked comm functions) --------
+
+
+def gather_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
+    """All-gather ``x`` along ``dim``: stacked in a new dim, or concatenated when ``tiled``."""
+    blocks = _comm.all_gather_blocks(x, g)  # [N, *x.shape]
+    if not tiled:
+        return _owned(blocks.movedim(0, dim))
+    shape = list(x.shape)
+    shape[dim] *= g.size
+    return _owned(blocks.movedim(0, dim).reshape(shape))
+
+
+def _split_blocks(x: torch.Tensor, n: int, dim: int, tiled: bool) -> torch.Tensor:
+    """``x`` as ``[n, *block]``: block j is the j-th piece of ``dim``."""
+    if not tiled:
+        return x.movedim(dim, 0)
+    shape = list(x.shape)
+    shape[dim : dim + 1] = [n, shape[dim] // n]
+    return x.reshape(shape).movedim(dim, 0)
+
+
+def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
+    """Reduce-scatter ``x`` along ``dim`` (removed, or shrunk by the group size when ``tiled``)."""
+    return _owned(_comm.reduce_scatter_blocks(_split_blocks(x, g.size, dim, tiled), g))
+
+
+def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim`` (no communication)."""
+    if not tiled:
+        return x.select(dim, g.index)
+    s = x.shape[dim] // g.size
+    return x.narrow(dim, g.index * s, s)
+
+
+def a2a_dim(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Split ``split_dim`` into group-size blocks, exchange them, concatenate along ``concat_dim``."""
+    blocks = _split_blocks(x, g.size, split_dim, True)
+    got = _comm.all_to_all_blocks(blocks, g)  # [N, *block]; row i came from index i
+    shape = list(blocks.shape[1:])
+    shape[concat_dim] *= g.size
+    return _owned(got.movedim(0, concat_dim).reshape(shape))
+
+
+# -- autograd Functions -------------------------------------------------------------------
+
+
+class Pvary(torch.autograd.Function):
+    """Identity forward; the backward sums the cotangent over the newly varying axes."""
+
+    @staticmethod
+    def forward(x, g):
+        with untracked():
+            return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ct):
+        if torch.is_grad_enabled():  # double backward: keep the psum differentiable
+            return apply(AllReduce, ct, ctx.g), None
+        return _comm.all_reduce(ct, ctx.g), None
+
+
+class AllReduce(torch.autograd.Function):
+    """psum: all-reduce forward; the transpose is pvary (identity, whose own transpose is psum)."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g):
+        return _comm.all_reduce(x, g)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ct):
+        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+            return apply(Pvary, ct, ctx.g), None
+        return ct, None
+
+
+class AllGather(torch.autograd.Function):
+    """all_gather of a varying value; the transpose is a reduce-scatter (the FSDP pattern)."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, dim, tiled):
+        return gather_dim(x, g, dim, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        return apply(ReduceScatter, ct, *ctx.args), None, None, None
+
+
+class AllGatherInvariant(torch.autograd.Function):
+    """all_gather whose result is invariant; the transpose is this rank's slice (no communication)."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, dim, tiled):
+        return gather_dim(x, g, dim, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        return local_block(ct, *ctx.args), None, None, None
+
+
+class LocalSlice(torch.autograd.Function):
+    """This rank's block of an invariant value (no communication); gradient: all_gather."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, dim, tiled):
+        return local_block(x, g, dim, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        return apply(AllGatherInvariant, ct, *ctx.args), None, None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """psum_scatter; the transpose is an all-gather."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, dim, tiled):
+        return scatter_dim(x, g, dim, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        return apply(AllGather, ct, *ctx.args), None, None, None
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all; the transpose is the all_to_all with split and concat dims swapped."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, split_dim, concat_dim):
+        return a2a_dim(x, g, split_dim, concat_dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        g, split_dim, concat_dim = ctx.args
+        return apply(AllToAll, ct, g, concat_dim, split_dim), None, None, None
+
+
+class PPermute(torch.autograd.Function):
+    """ppermute by (source, destination) pairs; the transpose reverses the pairs."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, perm):
+        return _owned(_comm.permute(x, g, perm))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g, ctx.perm = inputs[1:]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        inverse = tuple((d, s) for s, d in ctx.perm)
+        return apply(PPermute, ct, ctx.g, inverse), None, None
+
+
+class Broadcast(torch.autograd.Function):
+    """pbroadcast from index ``src``; the cotangent stays on the source, others get zeros."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, src):
+        return _comm.broadcast(x, g, src)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g, ctx.src = inputs[1:]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        return (ct if ctx.g.index == ctx.src else torch.zeros_like(ct)), None, None
+
+
+class Extremum(torch.autograd.Function):
+    """pmax / pmin; the cotangent goes to the ranks holding the extremum, split among ties."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, op):
+        return _comm.all_reduce(x, g, op)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g = inputs[1]
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        x, y = ctx.saved_tensors
+        hit = (x == y).to(ct.dtype)
+        ties = _comm.all_reduce(hit, ctx.g)
+        return ct * hit / ties, None, None
