@@ -36,6 +36,7 @@ from ._errors import (
     MeshError,
     RankError,
     SpecError,
+    TracingError,
 )
 from ._layout import Layout
 from ._launch import RankPool, init, launch
@@ -93,5 +94,6 @@ __all__ = [
     "CollectiveError",
     "ArgumentError",
     "CheckpointError",
+    "TracingError",
     "RankError",
 ]

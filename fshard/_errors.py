@@ -9,6 +9,7 @@ __all__ = [
     "CollectiveError",
     "ArgumentError",
     "CheckpointError",
+    "TracingError",
     "RankError",
 ]
 
@@ -27,6 +28,11 @@ class MeshError(FshardError):
 
 class CollectiveError(FshardError):
     """A collective was called where it cannot run (outside shard_map, unknown axis, bad arguments)."""
+
+
+class TracingError(FshardError):
+    """A value that varies across ranks is used inside shard_map where fshard cannot track it
+    (a Python branch on it, a conversion that leaves torch, an in-place write it cannot differentiate)."""
 
 
 class ArgumentError(FshardError, TypeError):
@@ -55,7 +61,9 @@ class RankError(FshardError):
 
 
 # Public classes print as ``fshard.SpecError`` (how users import them), not the private module.
-for _cls in (FshardError, SpecError, MeshError, CollectiveError, ArgumentError, CheckpointError, RankError):
+for _cls in (
+    FshardError, SpecError, MeshError, CollectiveError, TracingError, ArgumentError, CheckpointError, RankError
+):
     _cls.__module__ = "fshard"
 del _cls
 

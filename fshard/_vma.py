@@ -19,7 +19,7 @@ import itertools
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._errors import CollectiveError
+from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
 from ._primitives import Pvary, apply
 
@@ -148,7 +148,13 @@ def _tag_out(out, tr: Trace, bits: int) -> None:
 
 
 class VmaMode(TorchFunctionMode):
-    """Propagates varying-axes masks through every torch op run inside ``f``."""
+    """Propagates varying-axes masks through every torch op run inside ``f``.
+
+    Operands are tensors, lists and tuples of them, and the values that can carry a mask
+    without being tensors: Python numbers made from varying tensors (`VaryingInt`,
+    `VaryingFloat`) and slices or index tuples holding either. Ops that mutate their first
+    argument (``add_``, ``__setitem__``, ...) tag it with the union too.
+    """
 
     def __init__(self, tr: Trace):
         super().__init__()
@@ -159,13 +165,11 @@ class VmaMode(TorchFunctionMode):
         tid = tr.id
         if kwargs is None:
             kwargs = {}
-        if func is torch.autograd.grad:
-            return _autograd_grad(tr, args, kwargs)
-        foreach = _FOREACH.get(func)
-        if foreach is None:
-            foreach = _FOREACH[func] = getattr(func, "__name__", "").startswith("_foreach_")
-        if foreach:
-            return _foreach(func, tr, args, kwargs)
+        kind = _KIND.get(func)
+        if kind is None:
+            kind = _KIND[func] = _classify(func)
+        if kind is not _PLAIN and kind is not _INPLACE:
+            return kind(func, tr, args, kwargs)
         # Union of the operands' masks, noting whether they differ (hot path: keep it flat).
         union = 0
         first = -1
@@ -180,12 +184,22 @@ class VmaMode(TorchFunctionMode):
                         if isinstance(b, _Tensor):
                             t = getattr(b, _ATTR, None)
                             v = t[1] if t is not None and t[0] == tid else get(b, tr)
-                            if first < 0:
-                                first = v
-                            elif v != first:
-                                mixed = True
-                            union |= v
+                        elif type(b) in _CARRIERS:
+                            v = _scan(b, tid)
+                            if not v:
+                                continue
+                        else:
+                            continue
+                        if first < 0:
+                            first = v
+                        elif v != first:
+                            mixed = True
+                        union |= v
                     continue
+                elif type(a) in _CARRIERS:
+                    v = _scan(a, tid)
+                    if not v:
+                        continue
                 else:
                     continue
                 if first < 0:
@@ -194,16 +208,230 @@ class VmaMode(TorchFunctionMode):
                     mixed = True
                 union |= v
         if mixed and torch.is_grad_enabled():
-            args = _cast_args(args, tr, union)
+            if kind is _INPLACE:
+                _check_inplace(func, tr, args, union)
+                args = (args[0], *_cast_args(args[1:], tr, union))
+            else:
+                args = _cast_args(args, tr, union)
             if kwargs:
                 kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
         out = func(*args, **kwargs)
         if union:  # also covers `p.grad`: a gradient varies like its primal
             _tag_out(out, tr, union)
+            if kind is _INPLACE and args and isinstance(args[0], _Tensor):
+                setattr(args[0], _ATTR, (tid, union))
         return out
 
 
-_FOREACH: dict = {}
+# -- values that carry a mask without being tensors ------------------------------------------
+
+
+def _wrap_result(fn):
+    name = fn.__name__
+
+    def op(self, *others):
+        base = int(self) if type(self) is VaryingInt else float(self)
+        out = fn(base, *others)
+        if out is NotImplemented and type(self) is VaryingInt and hasattr(float, name):
+            out = getattr(float, name)(float(base), *others)  # int op float: as Python does
+        bits = _scalar_bits(self)
+        for o in others:
+            bits |= _scalar_bits(o)
+        return _varying_scalar(out, self._fshard_vma[0], bits)
+
+    op.__name__ = name
+    return op
+
+
+def _scalar_bits(x) -> int:
+    tag = getattr(x, _ATTR, None)
+    return tag[1] if tag is not None else 0
+
+
+class VaryingInt(int):
+    """A Python int made from a tensor that varies over some mesh axes (``i.item()``, ``i.tolist()``).
+
+    It behaves as an int; torch ops that receive it (as an argument, a slice bound or in an
+    index tuple) and arithmetic on it keep its varying axes, so ``x[i * n:(i + 1) * n]`` and
+    ``x.narrow(0, i.item() * n, n)`` are tracked. Comparisons give plain bools (untracked).
+    """
+
+
+class VaryingFloat(float):
+    """A Python float made from a tensor that varies over some mesh axes (see `VaryingInt`)."""
+
+
+_ARITH = (
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __floordiv__ __rfloordiv__ __truediv__ "
+    "__rtruediv__ __mod__ __rmod__ __pow__ __rpow__ __neg__ __pos__ __abs__ __and__ __rand__ "
+    "__or__ __ror__ __xor__ __rxor__ __lshift__ __rlshift__ __rshift__ __rrshift__"
+).split()
+for _name in _ARITH:
+    if hasattr(int, _name):
+        setattr(VaryingInt, _name, _wrap_result(getattr(int, _name)))
+    if hasattr(float, _name):
+        setattr(VaryingFloat, _name, _wrap_result(getattr(float, _name)))
+del _name
+
+
+def _varying_scalar(value, tid: int, bits: int):
+    """``value`` (a Python number) carrying ``bits``; plain when ``bits`` is 0 or it is no number."""
+    if not bits or type(value) is bool:
+        return value
+    if type(value) is int:
+        out = VaryingInt(value)
+    elif type(value) is float:
+        out = VaryingFloat(value)
+    else:
+        return value
+    out._fshard_vma = (tid, bits)
+    return out
+
+
+_CARRIERS = frozenset((VaryingInt, VaryingFloat, slice, list, tuple))
+
+
+def _scan(x, tid: int) -> int:
+    """The mask carried by a scalar, a slice, or a (nested) list/tuple of either or of tensors."""
+    tp = type(x)
+    if tp is VaryingInt or tp is VaryingFloat:
+        tag = x._fshard_vma
+        return tag[1] if tag[0] == tid else 0
+    if tp is slice:
+        return _scan(x.start, tid) | _scan(x.stop, tid) | _scan(x.step, tid)
+    if tp is list or tp is tuple:
+        bits = 0
+        for y in x:
+            bits |= _scan(y, tid)
+        return bits
+    if isinstance(x, _Tensor):
+        tag = getattr(x, _ATTR, None)
+        return tag[1] if tag is not None and tag[0] == tid else 0
+    return 0
+
+
+# -- ops with their own rule ------------------------------------------------------------------
+
+
+def _to_python(func, tr: Trace, args, kwargs):
+    """``t.item()``, ``t.tolist()``: Python numbers that keep the mask."""
+    out = func(*args, **kwargs)
+    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
+    if not bits:
+        return out
+    return _mark(out, tr.id, bits)
+
+
+def _mark(x, tid: int, bits: int):
+    if type(x) is list:
+        return [_mark(y, tid, bits) for y in x]
+    return _varying_scalar(x, tid, bits)
+
+
+def _varying_axes_text(tr: Trace, bits: int) -> tuple[str, str]:
+    axes = tr.mesh.names_of(bits)
+    word = "axis" if len(axes) == 1 else "axes"
+    return word, ", ".join(repr(a) for a in axes)
+
+
+def _to_bool(func, tr: Trace, args, kwargs):
+    """``bool(t)`` of a varying tensor: each rank would take its own Python branch, untracked."""
+    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
+    if bits:
+        word, axes = _varying_axes_text(tr, bits)
+        raise TracingError(
+            f"fs.shard_map({tr.where}): bool() of a tensor that varies over mesh {word} {axes} (a Python "
+            f"if, while, and/or, or assert on it) takes a different branch on each rank, which fshard "
+            f"cannot track; select between values with torch.where(cond, a, b), or branch on plain ints "
+            f"from the mesh (mesh.axis_index(...)) for per-rank side effects such as logging"
+        )
+    return func(*args, **kwargs)
+
+
+def _to_int(func, tr: Trace, args, kwargs):
+    """``int(t)``, ``float(t)``, ``operator.index(t)``: Python needs an exact int/float, untracked."""
+    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
+    if bits:
+        word, axes = _varying_axes_text(tr, bits)
+        name = {"__int__": "int()", "__float__": "float()"}.get(getattr(func, "__name__", ""), "using it as an index")
+        raise TracingError(
+            f"fs.shard_map({tr.where}): {name} of a tensor that varies over mesh {word} {axes} gives a "
+            f"Python number fshard cannot track (a value built from it would count as the same on every "
+            f"rank); keep it a tensor (x.narrow(0, start, n), index_select, torch.where accept tensors), "
+            f"or use .item(), whose result is tracked in slices, arguments and arithmetic"
+        )
+    return func(*args, **kwargs)
+
+
+def _to_numpy(func, tr: Trace, args, kwargs):
+    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
+    if bits:
+        word, axes = _varying_axes_text(tr, bits)
+        raise TracingError(
+            f"fs.shard_map({tr.where}): .numpy() of a tensor that varies over mesh {word} {axes} leaves "
+            f"fshard's tracking (a value built from it would count as the same on every rank); use "
+            f".tolist() or .item(), which are tracked, or convert the output of the shard_map'd function"
+        )
+    return func(*args, **kwargs)
+
+
+def _iterate(func, tr: Trace, args, kwargs):
+    """``for row in t``: each row varies like ``t``."""
+    rows = list(func(*args, **kwargs))
+    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
+    if bits:
+        _tag_out(rows, tr, bits)
+    return iter(rows)
+
+
+def _check_inplace(func, tr: Trace, args, union: int) -> None:
+    """An in-place op writing a more varying value into a tensor that needs a gradient."""
+    dst = args[0] if args else None
+    if not isinstance(dst, _Tensor) or not dst.requires_grad:
+        return
+    have = get(dst, tr)
+    if have == union:
+        return
+    word, axes = _varying_axes_text(tr, union & ~have)
+    name = getattr(func, "__name__", str(func))
+    raise TracingError(
+        f"fs.shard_map({tr.where}): in-place {name} writes a value that varies over mesh {word} {axes} into "
+        f"a tensor that needs a gradient and does not vary over them, so its gradient could not be summed "
+        f"over those axes; use the out-of-place op (e.g. torch.where, index_put, x = x + y), or "
+        f"fs.pvary(x, ...) before writing into it"
+    )
+
+
+_PLAIN = object()
+_INPLACE = object()
+_KIND: dict = {}
+_INPLACE_DUNDERS = frozenset(
+    "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ "
+    "__iand__ __ior__ __ixor__ __ilshift__ __irshift__ __imatmul__".split()
+)
+
+
+def _classify(func):
+    """How ``VmaMode`` treats ``func``: a handler, or the plain or in-place rule (cached per func)."""
+    special = {
+        torch.autograd.grad: _autograd_grad,
+        _Tensor.__int__: _to_int,
+        _Tensor.__index__: _to_int,
+        _Tensor.__float__: _to_int,
+        _Tensor.item: _to_python,
+        _Tensor.tolist: _to_python,
+        _Tensor.__bool__: _to_bool,
+        _Tensor.numpy: _to_numpy,
+        _Tensor.__iter__: _iterate,
+    }.get(func)
+    if special is not None:
+        return special
+    name = getattr(func, "__name__", "")
+    if name.startswith("_foreach_"):
+        return _foreach
+    if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_"):
+        return _INPLACE
+    return _PLAIN
 
 
 def _foreach(func, tr: Trace, args, kwargs):
@@ -229,7 +457,7 @@ def _foreach(func, tr: Trace, args, kwargs):
     return out
 
 
-def _autograd_grad(tr: Trace, args, kwargs):
+def _autograd_grad(func, tr: Trace, args, kwargs):
     outputs = args[0] if args else kwargs.get("outputs")
     inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
     grads = torch.autograd.grad(*args, **kwargs)
