@@ -3,7 +3,8 @@
 Each rank trains the same small MLP with fshard (parameters laid out per parallel layout,
 gradients from ``fs.value_and_grad``, updates from ``fs.optim``) and, in the same process,
 with ``torch.optim`` on the global tensors; the two trajectories must agree step by step.
-Rank functions return a list of problems so that one assertion shows every mismatch.
+Rank functions return a list of problems so that one assertion shows every mismatch
+(helpers.py).
 """
 
 from __future__ import annotations
@@ -14,40 +15,9 @@ import pytest
 import torch
 
 from tests.conftest import run_ranks
+from tests.helpers import assert_ok, close, full, gelu_mlp, mse, randn
 
-RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5
-
-
-# == helpers (run inside the ranks) =========================================================
-
-
-def _randn(seed, *shape, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(tuple(shape), generator=g, dtype=torch.float64).to(dtype)
-
-
-def _close(errs, what, got, want, rtol=RTOL, atol=ATOL):
-    if got is None:
-        errs.append(f"{what}: got None")
-        return
-    got, want = got.detach(), want.detach()
-    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-        errs.append(f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}")
-    elif not torch.allclose(got, want, rtol=rtol, atol=atol):
-        err = (got - want).abs().max().item()
-        errs.append(f"{what}: max abs error {err:.3g} (max |want| {want.abs().max().item():.3g})")
-
-
-def _full(x):
-    import fshard as fs
-
-    return x.full() if isinstance(x, fs.Sharded) else x
-
-
-def _assert_ok(results):
-    errs = [f"rank {r}: {e}" for r, es in enumerate(results) for e in es]
-    assert not errs, "\n".join(errs)
 
 
 # == the model and its layouts ==============================================================
@@ -77,23 +47,23 @@ LAYOUTS = {
 
 def _init_params(dtype=torch.float32):
     return {
-        "w1": _randn(1, K, H, dtype=dtype) / math.sqrt(K),
-        "b1": _randn(2, H, dtype=dtype) * 0.1,
-        "w2": _randn(3, H, K, dtype=dtype) / math.sqrt(H),
-        "b2": _randn(4, K, dtype=dtype) * 0.1,
+        "w1": randn(1, K, H, dtype=dtype) / math.sqrt(K),
+        "b1": randn(2, H, dtype=dtype) * 0.1,
+        "w2": randn(3, H, K, dtype=dtype) / math.sqrt(H),
+        "b2": randn(4, K, dtype=dtype) * 0.1,
     }
 
 
 def _batch(step, dtype=torch.float32):
-    return _randn(100 + step, B, K, dtype=dtype), _randn(200 + step, B, K, dtype=dtype)
+    return randn(100 + step, B, K, dtype=dtype), randn(200 + step, B, K, dtype=dtype)
 
 
 def _forward(p, x, psum=lambda h: h):
-    return psum(torch.nn.functional.gelu(x @ p["w1"] + p["b1"]) @ p["w2"]) + p["b2"]
+    return psum(gelu_mlp(p, x)) + p["b2"]
 
 
 def _ref_loss(p, x, y):
-    return ((_forward(p, x) - y) ** 2).mean()
+    return mse(_forward(p, x), y)
 
 
 def _local_loss_fn(layout):
@@ -140,9 +110,9 @@ def _state_specs(opt_name, specs):
 
 
 def _check_trajectory(errs, step, loss, ref_loss, params, ref):
-    _close(errs, f"step {step} loss", loss, ref_loss.detach())
+    close(errs, f"step {step} loss", loss, ref_loss.detach())
     for k in PARAMS:
-        _close(errs, f"step {step} param {k}", _full(params[k]), ref[k].detach())
+        close(errs, f"step {step} param {k}", full(params[k]), ref[k].detach())
 
 
 # == training trajectories ===================================================================
@@ -217,7 +187,7 @@ def _ids(layout, axes):
     "layout, axes", [pytest.param(lay, ax, id=_ids(lay, ax)) for lay, ax in _TRAIN_CASES]
 )
 def test_training_trajectory_matches_torch_optim(layout, axes, opt_name):
-    _assert_ok(run_ranks(math.prod(axes.values()), _train_outside, layout, axes, opt_name))
+    assert_ok(run_ranks(math.prod(axes.values()), _train_outside, layout, axes, opt_name))
 
 
 def _train_inside(layout, axes, opt_name):
@@ -272,7 +242,7 @@ def _train_inside(layout, axes, opt_name):
     ],
 )
 def test_training_step_inside_shard_map(layout, axes):
-    _assert_ok(run_ranks(math.prod(axes.values()), _train_inside, layout, axes, "adamw"))
+    assert_ok(run_ranks(math.prod(axes.values()), _train_inside, layout, axes, "adamw"))
 
 
 # == global norm and clipping ================================================================
@@ -310,8 +280,8 @@ def _clip_outside(layout, axes):
     norm, torch_norm, _ = _ref_clip(ref, 1.0)
     with fs.count_collectives() as counts:
         got = fs.optim.global_norm(grads)
-    _close(errs, "global_norm", got, norm)
-    _close(errs, "global_norm vs torch.nn.utils.clip_grad_norm_", got, torch_norm)
+    close(errs, "global_norm", got, norm)
+    close(errs, "global_norm vs torch.nn.utils.clip_grad_norm_", got, torch_norm)
     # one all_reduce when some leaf is split; none when every gradient is replicated (all local)
     want = 1 if any(isinstance(g, fs.Sharded) for g in grads.values()) and mesh.size > 1 else 0
     if counts.total != want:
@@ -319,11 +289,11 @@ def _clip_outside(layout, axes):
     for max_norm in (0.5 * norm.item(), 10 * norm.item()):  # clips, does not clip
         _, _, ref_clipped = _ref_clip(ref, max_norm)
         clipped, n = fs.optim.clip_by_global_norm(grads, max_norm)
-        _close(errs, f"clip_by_global_norm({max_norm:.3g}) norm", n, norm)
+        close(errs, f"clip_by_global_norm({max_norm:.3g}) norm", n, norm)
         for k in PARAMS:
             if type(clipped[k]) is not type(grads[k]):
                 errs.append(f"clipped {k} is {type(clipped[k]).__name__}, grad was {type(grads[k]).__name__}")
-            _close(errs, f"clip_by_global_norm({max_norm:.3g}) {k}", _full(clipped[k]), ref_clipped[k])
+            close(errs, f"clip_by_global_norm({max_norm:.3g}) {k}", full(clipped[k]), ref_clipped[k])
     return errs
 
 
@@ -360,11 +330,11 @@ def _clip_inside(layout, axes, check):
     except fs.SpecError as e:
         errs.append(f"SpecError: {e}")
         return errs
-    _close(errs, "global_norm inside f", n1, norm)
-    _close(errs, "clip_by_global_norm norm inside f", n2, norm)
-    _close(errs, "global_norm of the clipped grads inside f", n3, torch.tensor(max_norm))
+    close(errs, "global_norm inside f", n1, norm)
+    close(errs, "clip_by_global_norm norm inside f", n2, norm)
+    close(errs, "global_norm of the clipped grads inside f", n3, torch.tensor(max_norm))
     for k in PARAMS:
-        _close(errs, f"clipped {k}", _full(clipped[k]), ref_clipped[k])
+        close(errs, f"clipped {k}", full(clipped[k]), ref_clipped[k])
     return errs
 
 
@@ -379,12 +349,12 @@ _CLIP_CASES = [
 
 @pytest.mark.parametrize("layout, axes", _CLIP_CASES)
 def test_clip_by_global_norm_outside(layout, axes):
-    _assert_ok(run_ranks(math.prod(axes.values()), _clip_outside, layout, axes))
+    assert_ok(run_ranks(math.prod(axes.values()), _clip_outside, layout, axes))
 
 
 @pytest.mark.parametrize("layout, axes", _CLIP_CASES)
 def test_clip_by_global_norm_inside(layout, axes):
-    _assert_ok(run_ranks(math.prod(axes.values()), _clip_inside, layout, axes, True))
+    assert_ok(run_ranks(math.prod(axes.values()), _clip_inside, layout, axes, True))
 
 
 @pytest.mark.parametrize(
@@ -392,7 +362,7 @@ def test_clip_by_global_norm_inside(layout, axes):
 )
 def test_clip_by_global_norm_inside_values(layout, axes):
     """Values only (replication check off): clipped grads and the global norm of the clipped grads."""
-    _assert_ok(run_ranks(math.prod(axes.values()), _clip_inside, layout, axes, False))
+    assert_ok(run_ranks(math.prod(axes.values()), _clip_inside, layout, axes, False))
 
 
 def _global_norm_inside_only(layout, axes):
@@ -414,7 +384,7 @@ def _global_norm_inside_only(layout, axes):
     f = fs.shard_map(body, mesh=mesh, in_specs=(specs, _x_spec(layout), _x_spec(layout)), out_specs=("", ""))
     x, y = _batch(0)
     n, total = f(_place(mesh, layout, _init_params()), x, y)
-    _close(errs, "global_norm inside f", n, norm)
+    close(errs, "global_norm inside f", n, norm)
     if total.item() != 1:
         errs.append(f"global_norm issued {total.item()} collectives, want 1")
     return errs
@@ -424,7 +394,7 @@ def _global_norm_inside_only(layout, axes):
     "layout, axes", [c for c in _CLIP_CASES if c.id in ("dp_tp-dp2xtp2", "fsdp_tp-dp2xtp2")]
 )
 def test_global_norm_inside(layout, axes):
-    _assert_ok(run_ranks(4, _global_norm_inside_only, layout, axes))
+    assert_ok(run_ranks(4, _global_norm_inside_only, layout, axes))
 
 
 # == randomness ===============================================================================
@@ -444,8 +414,8 @@ def _normal_is_mesh_independent(axes, specs):
                 continue
             if tuple(got.shape) != (8, 4) or got.spec.replace(" ", "") == "":
                 errs.append(f"normal(mesh, {spec!r}): shape {tuple(got.shape)} spec {got.spec!r}")
-            full = got.full()
-            if not torch.equal(full, want):
+            whole = got.full()
+            if not torch.equal(whole, want):
                 errs.append(f"normal(mesh, {spec!r}, {dtype}).full() differs from the unsharded call")
             u = fs.random.uniform(8, (8, 4), low=-1, high=2, mesh=mesh, spec=spec, dtype=dtype).full()
             if not torch.equal(u, fs.random.uniform(8, (8, 4), low=-1, high=2, dtype=dtype)):
@@ -469,7 +439,7 @@ def _normal_is_mesh_independent(axes, specs):
     ],
 )
 def test_random_normal_same_global_values_on_every_mesh(axes, specs):
-    _assert_ok(run_ranks(math.prod(axes.values()), _normal_is_mesh_independent, axes, specs))
+    assert_ok(run_ranks(math.prod(axes.values()), _normal_is_mesh_independent, axes, specs))
 
 
 def _dropout_masks():

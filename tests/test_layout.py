@@ -1,0 +1,360 @@
+"""Binding a spec to a mesh and a tensor rank: layouts, shapes and the problems of a bad spec.
+
+Rank-free unit tests of ``fshard._layout``: ``bind(spec, axis_sizes, ndim)`` returns
+``(layout, problems)``; a layout gives the mesh axes of each dim (``dims``, ``split_axes``), block
+and global shapes (``local_shape`` / ``global_shape``), its canonical spec text (``spec_text``),
+and ``divisibility_problems`` lists the dims a mesh does not divide. Expectations are computed
+here independently: for random meshes and specs built from known parts (hypothesis), and as full
+problem texts for the usual mistakes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fshard._layout import bind, divisibility_problems
+
+MESH_AXES = ("dp", "tp", "pp", "sp")
+LABELS = ("b", "s", "h", "d", "k", "n")
+
+DP2 = (("dp", 2),)
+TP4 = (("tp", 4),)
+DP2_TP2 = (("dp", 2), ("tp", 2))
+DP2_TP3 = (("dp", 2), ("tp", 3))
+
+
+# == random valid specs: what was written, and the layout it must bind to ====================
+
+
+@st.composite
+def written_specs(draw):
+    """A mesh and a valid spec written from known parts, with the layout it must bind to.
+
+    Each mesh axis splits at most one dim (in the order drawn, which is the written order and
+    need not be the mesh's), labels are distinct and not mesh axes, an optional ``...`` stands
+    for unsplit dims, and the ``| sum(...)`` axes split no dim.
+    """
+    names = draw(st.lists(st.sampled_from(MESH_AXES), unique=True, max_size=4))
+    sizes = draw(st.lists(st.integers(1, 4), min_size=len(names), max_size=len(names)))
+    axis_sizes = tuple(zip(names, sizes))
+    n_written = draw(st.integers(0, 4))
+    labels = draw(st.lists(st.sampled_from(LABELS), unique=True, min_size=n_written, max_size=n_written))
+    handed_out = draw(st.permutations(names))
+    owner = [draw(st.integers(-1, n_written - 1)) for _ in handed_out]
+    split = [tuple(a for a, o in zip(handed_out, owner) if o == i) for i in range(n_written)]
+    unused = [a for a, o in zip(handed_out, owner) if o == -1]
+    partial = draw(st.lists(st.sampled_from(unused), unique=True)) if unused else []
+    # a dim with a label only may still be written in parentheses: "(b)"
+    entries = [
+        f"({' '.join(axes + (label,))})" if axes or draw(st.booleans()) else label
+        for axes, label in zip(split, labels)
+    ]
+    dims, dim_labels = list(split), list(labels)
+    if draw(st.booleans()):  # '...' somewhere, standing for 0 to 2 unsplit dims
+        pos, n_ell = draw(st.integers(0, n_written)), draw(st.integers(0, 2))
+        entries.insert(pos, "...")
+        dims[pos:pos] = [()] * n_ell
+        dim_labels[pos:pos] = [None] * n_ell
+    suffix = f"| sum({' '.join(partial)})" if partial else ""
+    text = " ".join(entries + [suffix]).strip()
+    return text, axis_sizes, tuple(dims), tuple(dim_labels), tuple(partial)
+
+
+def _canonical_text(dims, labels, partial):
+    """The spec text of a layout: ``(axes label)`` for a split dim, ``d<i>`` for a dim under ``...``."""
+    parts = [
+        f"({' '.join(axes)} {label or f'd{i}'})" if axes else (label or f"d{i}")
+        for i, (axes, label) in enumerate(zip(dims, labels))
+    ]
+    suffix = f"| sum({' '.join(partial)})" if partial else ""
+    return " ".join(parts + [suffix]).strip()
+
+
+@settings(max_examples=200, deadline=None)
+@given(written_specs())
+def test_bind_splits_each_dim_over_its_grouped_axes_in_written_order(case):
+    text, axis_sizes, dims, labels, partial = case
+    layout, problems = bind(text, axis_sizes, len(dims))
+    assert problems == ()
+    assert layout.dims == dims
+    assert layout.labels == labels
+    assert layout.split_axes == tuple(a for axes in dims for a in axes)
+    assert layout.spec_text() == _canonical_text(dims, labels, partial)
+    # the canonical text binds to the same placement
+    again, problems = bind(layout.spec_text(), axis_sizes, len(dims))
+    assert problems == ()
+    assert again.dims == dims
+    assert again.spec_text() == layout.spec_text()
+
+
+@settings(max_examples=200, deadline=None)
+@given(written_specs(), st.data())
+def test_block_shape_times_axis_sizes_is_the_global_shape(case, data):
+    text, axis_sizes, dims, _, _ = case
+    mesh_shape = dict(axis_sizes)
+    layout, _ = bind(text, axis_sizes, len(dims))
+    block = tuple(data.draw(st.lists(st.integers(1, 5), min_size=len(dims), max_size=len(dims))))
+    whole = tuple(n * math.prod(mesh_shape[a] for a in axes) for n, axes in zip(block, dims))
+    assert layout.global_shape(block, mesh_shape) == whole
+    assert layout.local_shape(whole, mesh_shape) == block
+    assert divisibility_problems(layout, whole, mesh_shape) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(written_specs(), st.data())
+def test_divisibility_problems_name_each_undivided_dim_in_order(case, data):
+    text, axis_sizes, dims, _, _ = case
+    mesh_shape = dict(axis_sizes)
+    layout, _ = bind(text, axis_sizes, len(dims))
+    shape = data.draw(st.lists(st.integers(1, 12), min_size=len(dims), max_size=len(dims)))
+    parts = [math.prod(mesh_shape[a] for a in axes) for axes in dims]
+    undivided = [(i, size, n) for i, (size, n) in enumerate(zip(shape, parts)) if size % n]
+    problems = divisibility_problems(layout, shape, mesh_shape)
+    assert len(problems) == len(undivided)
+    for problem, (i, size, n) in zip(problems, undivided):
+        assert problem.startswith(f"dim {i} ")
+        assert f" of size {size} is split over " in problem
+        assert problem.endswith(f", and {n} does not divide {size}; pad it to {-(-size // n) * n}")
+
+
+# == examples =================================================================================
+
+
+BIND_EXAMPLES = [
+    ("b d", DP2, 2, ((), ()), ()),
+    ("(dp b) d", DP2, 2, (("dp",), ()), ("dp",)),
+    ("(b) d", DP2, 2, ((), ()), ()),
+    (
+        "(tp b) (dp pp k)",
+        (("dp", 2), ("tp", 2), ("pp", 2)),
+        2,
+        (("tp",), ("dp", "pp")),
+        ("tp", "dp", "pp"),
+    ),
+    ("(tp dp b)", DP2_TP2, 1, (("tp", "dp"),), ("tp", "dp")),
+    ("... (tp d)", DP2_TP2, 3, ((), (), ("tp",)), ("tp",)),
+    ("(dp b) ...", DP2_TP2, 1, (("dp",),), ("dp",)),
+    ("(dp tp b) n | sum(pp)", (("dp", 2), ("tp", 2), ("pp", 2)), 2, (("dp", "tp"), ()), ("dp", "tp")),
+]
+
+
+@pytest.mark.parametrize(
+    "spec, axis_sizes, ndim, dims, split_axes", BIND_EXAMPLES, ids=[c[0] for c in BIND_EXAMPLES]
+)
+def test_bind_examples(spec, axis_sizes, ndim, dims, split_axes):
+    layout, problems = bind(spec, axis_sizes, ndim)
+    assert problems == ()
+    assert layout.dims == dims
+    assert layout.split_axes == split_axes
+
+
+TEXT_EXAMPLES = [
+    ("(dp b) d", DP2, 2, "(dp b) d"),
+    ("( dp  b )   d", DP2, 2, "(dp b) d"),
+    ("(b) s", DP2, 2, "b s"),
+    ("... (tp d)", DP2_TP2, 3, "d0 d1 (tp d)"),
+    ("b ... d", DP2, 3, "b d1 d"),
+    ("b n | sum(tp)", DP2_TP2, 2, "b n | sum(tp)"),
+    ("(dp tp b) n | sum(tp)", DP2_TP2, 2, "(dp tp b) n | sum(tp)"),
+    ("| sum(dp)", DP2, 0, "| sum(dp)"),
+    ("", DP2, 0, ""),
+]
+
+
+@pytest.mark.parametrize(
+    "spec, axis_sizes, ndim, text", TEXT_EXAMPLES, ids=[c[0] or "empty" for c in TEXT_EXAMPLES]
+)
+def test_spec_text_examples(spec, axis_sizes, ndim, text):
+    layout, problems = bind(spec, axis_sizes, ndim)
+    assert problems == ()
+    assert layout.spec_text() == text
+
+
+def test_local_and_global_shape_examples():
+    layout, _ = bind("(dp b) (tp k)", DP2_TP3, 2)
+    assert layout.local_shape((8, 9), {"dp": 2, "tp": 3}) == (4, 3)
+    assert layout.global_shape((4, 3), {"dp": 2, "tp": 3}) == (8, 9)
+    layout, _ = bind("... (dp tp d)", DP2_TP2, 3)
+    assert layout.local_shape((5, 6, 8), {"dp": 2, "tp": 2}) == (5, 6, 2)
+    assert layout.global_shape((5, 6, 2), {"dp": 2, "tp": 2}) == (5, 6, 8)
+
+
+# == the problems of a bad spec, in full ======================================================
+
+_NDIMS = "write one name per dim, or '...' for unsplit dims"
+
+
+@pytest.mark.parametrize(
+    "spec, axis_sizes, ndim, problems",
+    [
+        pytest.param(
+            "b d", DP2, 3, [f"the spec names 2 dims but the tensor has 3; {_NDIMS}"], id="too-few-dims"
+        ),
+        pytest.param("b", DP2, 2, [f"the spec names 1 dim but the tensor has 2; {_NDIMS}"], id="one-dim"),
+        pytest.param(
+            "(dp b) d", DP2, 1, [f"the spec names 2 dims but the tensor has 1; {_NDIMS}"], id="too-many"
+        ),
+        pytest.param(
+            "b ... d k",
+            DP2,
+            2,
+            ["the spec names 3 dims besides '...' but the tensor has 2; remove dims from the spec"],
+            id="too-many-besides-ellipsis",
+        ),
+        pytest.param(
+            "(dp a) (dp b)",
+            DP2_TP2,
+            2,
+            ["mesh axis 'dp' splits both dim 0 and dim 1; an axis can split one dim only"],
+            id="axis-splits-two-dims",
+        ),
+        pytest.param(
+            "(dp dp a)", DP2, 1, ["mesh axis 'dp' appears twice in (dp dp a)"], id="axis-twice-in-a-group"
+        ),
+        pytest.param(
+            "dp d",
+            DP2,
+            2,
+            [
+                (
+                    "'dp' is a mesh axis of Mesh(dp=2), so it cannot label dim 0: write (dp x) to split "
+                    "this dim over dp, or rename the dim"
+                )
+            ],
+            id="mesh-axis-as-label",
+        ),
+        pytest.param(
+            "b tp",
+            DP2_TP2,
+            2,
+            [
+                (
+                    "'tp' is a mesh axis of Mesh(dp=2, tp=2), so it cannot label dim 1: write (tp x) to split "
+                    "this dim over tp, or rename the dim"
+                )
+            ],
+            id="mesh-axis-as-second-label",
+        ),
+        pytest.param(
+            "(dp tp) d",
+            DP2_TP2,
+            2,
+            ["group (dp tp) of dim 0 has no dim label; add one after the mesh axes, e.g. (dp tp x)"],
+            id="group-without-label",
+        ),
+        pytest.param(
+            "b (tp b)",
+            DP2_TP2,
+            2,
+            ["label 'b' names both dim 0 and dim 1; give each dim its own name"],
+            id="label-twice",
+        ),
+        pytest.param(
+            "b | sum(pd)",
+            DP2,
+            1,
+            ["sum(pd) names 'pd', which is not an axis of Mesh(dp=2) (did you mean 'dp'?)"],
+            id="sum-axis-not-in-mesh",
+        ),
+        pytest.param(
+            "b | sum(zz)",
+            DP2_TP2,
+            1,
+            ["sum(zz) names 'zz', which is not an axis of Mesh(dp=2, tp=2)"],
+            id="sum-axis-not-in-mesh-no-suggestion",
+        ),
+        pytest.param("b | sum(dp dp)", DP2, 1, ["sum(...) names axis 'dp' twice"], id="sum-axis-twice"),
+        pytest.param(
+            "(b dp)",
+            DP2,
+            1,
+            ["in (b dp) the mesh axes must come before the dim label: write (dp b)"],
+            id="label-before-axes",
+        ),
+        pytest.param(
+            "(pd tp b)",
+            DP2_TP2,
+            1,
+            [
+                (
+                    "'pd' in (pd tp b) is not an axis of Mesh(dp=2, tp=2) (did you mean 'dp'?); a group lists "
+                    "mesh axes first, then one dim label"
+                )
+            ],
+            id="unknown-axis-in-group",
+        ),
+        pytest.param(
+            "(tp dp b) | sum(tp)",
+            DP2_TP2,
+            1,
+            [
+                (
+                    "dim 0 is split over ('tp', 'dp') and summed over ('tp',): the summed axes must come last "
+                    "in the group so that a reduce-scatter produces the block"
+                )
+            ],
+            id="summed-axis-not-last",
+        ),
+        pytest.param(
+            "(dp a) (dp a)",
+            DP2,
+            2,
+            [
+                "mesh axis 'dp' splits both dim 0 and dim 1; an axis can split one dim only",
+                "label 'a' names both dim 0 and dim 1; give each dim its own name",
+            ],
+            id="every-problem-at-once",
+        ),
+    ],
+)
+def test_bind_problems(spec, axis_sizes, ndim, problems):
+    layout, got = bind(spec, axis_sizes, ndim)
+    assert layout is None
+    assert list(got) == problems
+
+
+@pytest.mark.parametrize(
+    "spec, axis_sizes, ndim, shape, problems",
+    [
+        pytest.param("(dp b) d", DP2, 2, (4, 3), [], id="divided"),
+        pytest.param(
+            "(dp tp b) d",
+            DP2_TP3,
+            2,
+            (10, 4),
+            [
+                (
+                    "dim 0 (b) of size 10 is split over dp (size 2) and tp (size 3), and 6 does not divide 10; "
+                    "pad it to 12"
+                )
+            ],
+            id="two-axes",
+        ),
+        pytest.param(
+            "b (tp k)",
+            TP4,
+            2,
+            (3, 6),
+            ["dim 1 (k) of size 6 is split over tp (size 4), and 4 does not divide 6; pad it to 8"],
+            id="second-dim",
+        ),
+        pytest.param(
+            "(dp b) (tp k)",
+            DP2_TP3,
+            2,
+            (3, 7),
+            [
+                "dim 0 (b) of size 3 is split over dp (size 2), and 2 does not divide 3; pad it to 4",
+                "dim 1 (k) of size 7 is split over tp (size 3), and 3 does not divide 7; pad it to 9",
+            ],
+            id="both-dims",
+        ),
+    ],
+)
+def test_divisibility_problems(spec, axis_sizes, ndim, shape, problems):
+    layout, _ = bind(spec, axis_sizes, ndim)
+    assert divisibility_problems(layout, shape, dict(axis_sizes)) == problems
