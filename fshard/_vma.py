@@ -353,9 +353,11 @@ def _to_int(func, tr: Trace, args, kwargs):
     bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
     if bits:
         word, axes = _varying_axes_text(tr, bits)
-        name = {"__int__": "int()", "__float__": "float()"}.get(getattr(func, "__name__", ""), "using it as an index")
+        what = {"__int__": "int() of", "__float__": "float() of"}.get(
+            getattr(func, "__name__", ""), "a Python index from"
+        )
         raise TracingError(
-            f"fs.shard_map({tr.where}): {name} of a tensor that varies over mesh {word} {axes} gives a "
+            f"fs.shard_map({tr.where}): {what} a tensor that varies over mesh {word} {axes} gives a "
             f"Python number fshard cannot track (a value built from it would count as the same on every "
             f"rank); keep it a tensor (x.narrow(0, start, n), index_select, torch.where accept tensors), "
             f"or use .item(), whose result is tracked in slices, arguments and arithmetic"
