@@ -38,6 +38,7 @@ from ._errors import (
     SpecError,
     TracingError,
 )
+from ._debug import debug
 from ._layout import Layout
 from ._launch import RankPool, init, launch
 from ._mesh import Mesh
@@ -61,6 +62,7 @@ __all__ = [
     "shard",
     "from_dtensor",
     "visualize",
+    "debug",
     # collectives
     "psum",
     "pmean",

@@ -181,7 +181,9 @@ def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False, *, inva
     x = _vary(x, tr, v, bits)
     if invariant:
         return _vma.tag(_apply(AllGatherInvariant, x, g, dim, tiled), tr, v & ~bits)
-    return _vma.tag(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
+    y = _vma.tag(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
+    y._fshard_gathered = g.names  # the replication check suggests invariant=True for it
+    return y
 
 
 def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False) -> torch.Tensor:

@@ -8,24 +8,29 @@ collectives the output specs imply.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 
 import optree
 import torch
 
-from . import _vma
-from ._errors import ArgumentError, FshardError, SpecError, report
+from . import _debug, _vma
+from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
 from ._layout import Layout, bind, divisibility_problems
 from ._mesh import Mesh
 from ._primitives import AllReduce, LocalSlice, ReduceScatter
 from ._primitives import apply as _apply
-from ._sharded import Sharded, relayout
+from ._sharded import Sharded, from_dtensor, relayout
 from ._spec import Spec, parse_spec
 
 __all__ = ["shard_map"]
 
 _Tensor = torch.Tensor
+
+PLAN_CACHE_SIZE = 256
+"""Plans kept per shard_map'd function for each of inputs and outputs (least recently used
+dropped first): a function called with many distinct shapes does not grow without bound."""
 
 
 # == API ==================================================================================
@@ -92,12 +97,13 @@ class OutKind(enum.Enum):
 class _InPlan:
     """How to turn one input leaf into its local block."""
 
-    __slots__ = ("kind", "layout", "bits", "slices", "groups")
+    __slots__ = ("kind", "layout", "bits", "slices", "groups", "path")
 
-    def __init__(self, kind: InKind, layout=None, bits=0, slices=(), groups=()):
+    def __init__(self, kind: InKind, layout=None, bits=0, slices=(), groups=(), path=""):
         self.kind = kind
         self.layout = layout
         self.bits = bits
+        self.path = path
         self.slices = slices  # ((dim, start, length), ...)
         self.groups = groups  # ((dim, AxisGroup), ...) for differentiable slicing
 
@@ -124,8 +130,8 @@ class _ShardMapped:
         self.out_specs = out_specs
         self.check = check
         self.name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
-        self._in_plans: dict = {}
-        self._out_plans: dict = {}
+        self._in_plans: collections.OrderedDict = collections.OrderedDict()
+        self._out_plans: collections.OrderedDict = collections.OrderedDict()
         self._tracked = mesh.tracked  # any axis of size > 1: varying-axes tracking on
         self._out_specs_checked = False
 
@@ -147,23 +153,40 @@ class _ShardMapped:
             )
         leaves, treedef = optree.tree_flatten(args)
         key = (treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in leaves])
-        plans = self._in_plans.get(key)
-        if plans is None:
+        hit = self._in_plans.get(key)
+        if hit is None:
+            if any(_is_dtensor(x) for x in leaves):  # DTensor in: as fs.from_dtensor
+                leaves = [from_dtensor(x) if _is_dtensor(x) else x for x in leaves]
+                args = optree.tree_unflatten(treedef, leaves)
+                return self(*args)
             plans = self._plan_inputs(args, leaves, treedef)
-            self._in_plans[key] = plans
+            hit = (plans, tuple(i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL))
+            _remember(self._in_plans, key, hit)
+        else:
+            self._in_plans.move_to_end(key)
+        plans, global_idx = hit
         if not self._out_specs_checked:
             self._precheck_out_specs()
         mesh = self.mesh
+        if _debug.enabled:
+            _debug.check_inputs(self.name, mesh, leaves, plans)
+        versions = [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
         local_args = optree.tree_unflatten(treedef, [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)])
         with tr:
             out = self.f(*local_args)
+        if versions:
+            self._check_unmodified(leaves, plans, global_idx, versions, tr)
         out_leaves, out_treedef = optree.tree_flatten(out)
         okey = (out_treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves])
+        if _debug.enabled:
+            _debug.check_outputs(self.name, mesh, out_leaves, okey)
         oplans = self._out_plans.get(okey)
         if oplans is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)
-            self._out_plans[okey] = oplans
+            _remember(self._out_plans, okey, oplans)
+        else:
+            self._out_plans.move_to_end(okey)
         if self._tracked:
             if self.check:
                 self._check_outputs(out_leaves, oplans, tr)
@@ -218,22 +241,22 @@ class _ShardMapped:
                     f"{path} is a Sharded value on {x.mesh!r}, not on this shard_map's mesh "
                     f"{mesh!r}; move it with fs.shard(value.full(), mesh, spec)"
                 )
-            plans.append(self._in_plan(x, layout))
+            plans.append(self._in_plan(x, layout, path))
         if problems:
             raise SpecError(_report(self.name, "in_specs", problems))
         return plans
 
-    def _in_plan(self, x, layout: Layout) -> _InPlan:
+    def _in_plan(self, x, layout: Layout, path: str) -> _InPlan:
         mesh = self.mesh
         bits = mesh.bits(layout.split_axes)
         if isinstance(x, Sharded):
             if x.layout.dims == layout.dims:
-                return _InPlan(InKind.SHARDED, layout, bits)
-            return _InPlan(InKind.RESHARD, layout, bits)
+                return _InPlan(InKind.SHARDED, layout, bits, path=path)
+            return _InPlan(InKind.RESHARD, layout, bits, path=path)
         block = layout.block(x.shape, mesh.shape, mesh.coordinate)
         slices = tuple((d, *block[d]) for d, axes in enumerate(layout.dims) if axes)
         groups = tuple((d, mesh.axis_group(axes)) for d, axes in enumerate(layout.dims) if axes)
-        return _InPlan(InKind.GLOBAL, layout, bits, slices, groups)
+        return _InPlan(InKind.GLOBAL, layout, bits, slices, groups, path)
 
     def _precheck_out_specs(self):
         """Problems of out_specs that do not depend on f's outputs, found before f runs."""
@@ -296,6 +319,24 @@ class _ShardMapped:
 
     # == error checking =====================================================================
 
+    def _check_unmodified(self, leaves, plans, global_idx, versions, tr) -> None:
+        """A plain global input changed in place inside f so that the ranks' copies now differ: a
+        block of it (each rank changed its own block), or all of it with a varying value. (An
+        update with the same value on every rank is plain torch behaviour and stays allowed.)"""
+        changed = [
+            plans[i].path
+            for i, v in zip(global_idx, versions)
+            if leaves[i]._version != v and (plans[i].slices or _vma.get(leaves[i], tr))
+        ]
+        if changed:
+            raise TracingError(
+                f"fs.shard_map({self.name}): f modified {', '.join(changed)} in place; "
+                f"{'it is' if len(changed) == 1 else 'they are'} (a block of) the global tensor you passed, "
+                f"so each rank changed its own copy and the ranks' copies now disagree; clone inside f "
+                f"(x = x.clone()) before updating, or pass an fs.Sharded value (fs.shard(x, mesh, spec)), "
+                f"whose block each rank owns and may update in place"
+            )
+
     def _check_outputs(self, leaves, plans, tr):
         problems = []
         mesh = self.mesh
@@ -308,6 +349,16 @@ class _ShardMapped:
                 ax = ", ".join(axes)
                 tup = repr(axes[0]) if len(axes) == 1 else repr(axes)
                 word = "axis" if len(axes) == 1 else "axes"
+                gathered = getattr(x, "_fshard_gathered", None)
+                if gathered is not None and set(axes) <= set(gathered):
+                    problems.append(
+                        f"{p.path} is an fs.all_gather over {ax}, which varies over {ax} (its gradient is "
+                        f"reduce-scattered back to each rank's block), but out_spec {p.spec!r} says it is "
+                        f"replicated over {ax}; gather with fs.all_gather(..., invariant=True) to return the "
+                        f"gathered value as replicated, or split a dim over {ax} in the out_spec and return "
+                        f"the block"
+                    )
+                    continue
                 problems.append(
                     f"{p.path} varies over mesh {word} {ax} but out_spec {p.spec!r} says it is replicated "
                     f"over {ax}; reduce it inside f (fs.psum / fs.pmean over {tup}), mark it as a "
@@ -321,9 +372,29 @@ class _ShardMapped:
 # == eager evaluation =====================================================================
 
 
+def _remember(cache: collections.OrderedDict, key, value) -> None:
+    cache[key] = value
+    if len(cache) > PLAN_CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+_DTensor = None
+
+
+def _is_dtensor(x) -> bool:
+    global _DTensor
+    if not isinstance(x, _Tensor) or type(x) is _Tensor:
+        return False
+    if _DTensor is None:
+        from torch.distributed.tensor import DTensor
+
+        _DTensor = DTensor
+    return isinstance(x, _DTensor)
+
+
 def _leaf_key(x):
     if isinstance(x, _Tensor):
-        return (x.shape, x.dtype)
+        return ("D", x.shape, x.dtype) if _is_dtensor(x) else (x.shape, x.dtype)
     if isinstance(x, Sharded):
         return ("S", x.local.shape, x.dtype, x.layout, x.mesh)
     return type(x)
@@ -369,7 +440,7 @@ def _finish(x, p: _OutPlan, mesh):
         x = _apply(ReduceScatter, x, g, d, True)
     if kind is OutKind.PLAIN:
         return x
-    return Sharded(x, mesh, p.layout)
+    return Sharded._wrap(x, mesh, p.layout)
 
 
 # == helpers ==============================================================================

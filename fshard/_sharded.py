@@ -33,14 +33,25 @@ class Sharded:
 
     __slots__ = ("local", "mesh", "layout", "__weakref__")
 
-    def __init__(self, local: torch.Tensor, mesh: Mesh, spec):
+    def __init__(self, local: torch.Tensor, mesh: Mesh, spec, *, check: bool = True):
         if not isinstance(local, torch.Tensor):
             raise ArgumentError(f"fs.Sharded needs a torch.Tensor local block, got {type(local).__name__}")
+        if not isinstance(mesh, Mesh):
+            raise ArgumentError(f"fs.Sharded needs an fs.Mesh, got {type(mesh).__name__}")
         self.local = local
         self.mesh = mesh
         self.layout = spec if isinstance(spec, Layout) else bind_or_raise(
             spec, mesh, local.shape, "fs.Sharded", local=True
         )
+        if check and mesh.size > 1:
+            _check_blocks(local, mesh, self.layout)
+
+    @classmethod
+    def _wrap(cls, local: torch.Tensor, mesh: Mesh, layout: Layout) -> "Sharded":
+        """A Sharded value from a block fshard itself computed (no checks, no communication)."""
+        self = cls.__new__(cls)
+        self.local, self.mesh, self.layout = local, mesh, layout
+        return self
 
     # -- global description -----------------------------------------------------------------
 
@@ -81,10 +92,10 @@ class Sharded:
     def grad(self) -> "Sharded | None":
         """The gradient of the local block, as a Sharded value with the same layout."""
         g = self.local.grad
-        return None if g is None else Sharded(g, self.mesh, self.layout)
+        return None if g is None else Sharded._wrap(g, self.mesh, self.layout)
 
     def detach(self) -> "Sharded":
-        return Sharded(self.local.detach(), self.mesh, self.layout)
+        return Sharded._wrap(self.local.detach(), self.mesh, self.layout)
 
     def __repr__(self) -> str:
         return (
@@ -116,7 +127,7 @@ class Sharded:
             >>> y = x.reshard("s (sp h) d")     # one all_to_all over sp
         """
         target = bind_or_raise(spec, self.mesh, self.shape, "Sharded.reshard")
-        return Sharded(relayout(self.local, self.mesh, self.layout, target), self.mesh, target)
+        return Sharded._wrap(relayout(self.local, self.mesh, self.layout, target), self.mesh, target)
 
     def to_dtensor(self):
         """This value as a PyTorch ``DTensor`` on ``mesh.device_mesh`` (no communication).
@@ -143,6 +154,27 @@ class Sharded:
         return DTensor.from_local(
             self.local, self.mesh.device_mesh, placements, run_check=False, shape=shape, stride=stride
         )
+
+
+def _check_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout) -> None:
+    """Every rank's block must have the same shape and dtype (one small all-gather)."""
+    g = mesh.axis_group(mesh.axis_names, "Sharded")
+    mine = [local.dim(), *local.shape, *([0] * (8 - local.dim()))][:9] if local.dim() <= 8 else [local.dim()]
+    with _comm.untracked():
+        t = torch.tensor(mine + [0] * (9 - len(mine)), dtype=torch.int64, device=mesh.device)
+        rows = _comm.all_gather_blocks(t, g).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    by: dict = {}
+    for rank, row in zip(mesh.ranks, rows):
+        by.setdefault(tuple(row[1 : 1 + row[0]]), []).append(rank)
+    held = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {shape}" for shape, r in by.items())
+    raise SpecError(
+        f"fs.Sharded: the local blocks for spec {layout.spec_text()!r} on {mesh!r} differ in shape across "
+        f"ranks ({held}); every rank must hold an equal block, so the global shape is the same everywhere: "
+        f"drop or pad the uneven last batch (e.g. DataLoader(drop_last=True)), or gather it whole and use "
+        f"fs.shard(x, mesh, spec, src=0)"
+    )
 
 
 def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout) -> torch.Tensor:
@@ -196,7 +228,7 @@ def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -
             raise ArgumentError(f"fs.shard expects a torch.Tensor, got {type(x).__name__}")
         layout = bind_or_raise(spec, mesh, x.shape, "fs.shard")
         local = _block(x, layout, mesh, mesh.coordinate)
-        return Sharded(local.clone() if local is not x else local, mesh, layout)
+        return Sharded._wrap(local.clone() if local is not x else local, mesh, layout)
     # scatter from one rank
     if not dist.is_initialized():
         return shard(x, mesh, spec)
@@ -220,7 +252,7 @@ def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -
             for r in range(dist.get_world_size())
         ]
     _comm.scatter(out, blocks, src)
-    return Sharded(out, mesh, layout)
+    return Sharded._wrap(out, mesh, layout)
 
 
 def _block(x: torch.Tensor, layout: Layout, mesh: Mesh, coord: dict) -> torch.Tensor:
@@ -271,5 +303,5 @@ def from_dtensor(dt) -> Sharded:
     problems = divisibility_problems(layout, dt.shape, mesh.shape)
     if problems:
         raise SpecError(report("fs.from_dtensor: uneven shards are not supported", problems))
-    return Sharded(dt.to_local(), mesh, layout)
+    return Sharded._wrap(dt.to_local(), mesh, layout)
 
