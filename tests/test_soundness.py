@@ -337,3 +337,184 @@ def test_inplace_update_of_collective_output(kind):
     for r, got in enumerate(run_ranks(4, _rank_inplace_after, kind, X, Z)):
         for name, g, w in zip(("value", "grad x", "grad z"), got, want):
             torch.testing.assert_close(g, w, msg=f"rank {r} {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# rank-inconsistent inputs and outputs
+
+
+def _rank_sharded_uneven():
+    import torch.distributed as dist
+
+    mesh = fs.Mesh(dp=4)
+    rows = 3 if dist.get_rank() < 3 else 1  # an uneven last batch on rank 3
+    try:
+        fs.Sharded(torch.ones(rows, 2), mesh, "(dp b) d")
+    except fs.SpecError as e:
+        return str(e)
+    return "no error"
+
+
+def test_sharded_from_uneven_blocks_raises_on_every_rank():
+    texts = run_ranks(4, _rank_sharded_uneven)
+    assert texts == [texts[0]] * 4
+    assert texts[0] == (
+        "fs.Sharded: the local blocks for spec '(dp b) d' on Mesh(dp=4) differ in shape across ranks (ranks "
+        "0, 1, 2: (3, 2); rank 3: (1, 2)); every rank must hold an equal block, so the global shape is the "
+        "same everywhere: drop or pad the uneven last batch (e.g. DataLoader(drop_last=True)), or gather it "
+        "whole and use fs.shard(x, mesh, spec, src=0)"
+    )
+
+
+def _rank_sharded_even(X):
+    import torch.distributed as dist
+
+    mesh = fs.Mesh(dp=2)
+    r = dist.get_rank()
+    with fs.count_collectives() as counts:
+        s = fs.Sharded(X[r * 2 : r * 2 + 2].clone(), mesh, "(dp b) d")
+        unchecked = fs.Sharded(X[r * 2 : r * 2 + 2].clone(), mesh, "(dp b) d", check=False)
+    return s.full(), unchecked.full(), counts.total
+
+
+def test_sharded_from_per_rank_blocks():
+    X = _randn(6, 4, 3)
+    for full, full2, n in run_ranks(2, _rank_sharded_even, X):
+        torch.testing.assert_close(full, X)
+        torch.testing.assert_close(full2, X)
+        assert n == 1  # the checked constructor costs one small all-gather; check=False none
+
+
+def _rank_inplace_input(route):
+    mesh = fs.Mesh(dp=2)
+    x = torch.arange(8.0).reshape(4, 2)
+
+    def f(x):
+        if route == "block":
+            x.mul_(2)  # each rank doubles its own block of its copy of x
+        elif route == "varying":
+            x.add_(fs.axis_index("dp").float())  # x is replicated here, the added value is not
+        elif route == "same":
+            x.add_(1.0)  # the same update on every rank: plain torch behaviour, allowed
+        return x.sum(0, keepdim=True) * 0
+
+    spec = "(dp b) d" if route == "block" else "b d"
+    try:
+        fs.shard_map(f, mesh=mesh, in_specs=spec, out_specs="(dp b) d")(x)
+    except fs.TracingError as e:
+        return str(e)
+    return x
+
+
+@pytest.mark.parametrize("route", ["block", "varying", "same"])
+def test_inplace_update_of_a_global_input(route):
+    got = run_ranks(2, _rank_inplace_input, route)
+    if route == "same":
+        for x in got:
+            torch.testing.assert_close(x, torch.arange(8.0).reshape(4, 2) + 1)
+        return
+    assert got == [got[0]] * 2
+    assert got[0] == (
+        "fs.shard_map(_rank_inplace_input.<locals>.f): f modified args[0] in place; it is (a block of) the "
+        "global tensor you passed, so each rank changed its own copy and the ranks' copies now disagree; "
+        "clone inside f (x = x.clone()) before updating, or pass an fs.Sharded value (fs.shard(x, mesh, "
+        "spec)), whose block each rank owns and may update in place"
+    )
+
+
+def _rank_dtensor_input(X):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = fs.Mesh(dp=2)
+    dt = distribute_tensor(X.clone(), mesh.device_mesh, [Shard(0)])
+
+    def f(x):
+        return fs.psum(x.sum(0), "dp")
+
+    return fs.shard_map(f, mesh=mesh, in_specs="(dp b) d", out_specs="d")(dt)
+
+
+def test_dtensor_argument_is_converted():
+    X = _randn(7, 4, 3)
+    for got in run_ranks(2, _rank_dtensor_input, X):
+        assert type(got) is torch.Tensor
+        torch.testing.assert_close(got, X.sum(0))
+
+
+def _rank_all_gather_returned():
+    mesh = fs.Mesh(tp=2)
+
+    def f(w):
+        return fs.all_gather(w, "tp", dim=0, tiled=True)
+
+    try:
+        fs.shard_map(f, mesh=mesh, in_specs="(tp h) d", out_specs="h d")(torch.ones(4, 2))
+    except fs.SpecError as e:
+        return str(e)
+    return "no error"
+
+
+def test_returned_all_gather_suggests_invariant():
+    texts = run_ranks(2, _rank_all_gather_returned)
+    assert texts == [texts[0]] * 2
+    assert texts[0] == (
+        "fs.shard_map(_rank_all_gather_returned.<locals>.f): 1 problem with out_specs (replication check):\n"
+        "  - out is an fs.all_gather over tp, which varies over tp (its gradient is reduce-scattered back to "
+        "each rank's block), but out_spec 'h d' says it is replicated over tp; gather with "
+        "fs.all_gather(..., invariant=True) to return the gathered value as replicated, or split a dim over "
+        "tp in the out_spec and return the block"
+    )
+
+
+def _rank_debug(route):
+    import torch.distributed as dist
+
+    mesh = fs.Mesh(dp=2)
+    r = dist.get_rank()
+
+    def f(x):
+        if route == "shapes":
+            return x[x > 0.5]  # a data-dependent shape
+        return x * 2
+
+    x = torch.tensor([0.1, 0.9, 0.8, 0.7]) if route == "shapes" else torch.ones(4) * (1 + (r if route == "inputs" else 0))
+    spec_out = "(dp b)"
+    try:
+        with fs.debug(), fs.count_collectives() as counts:
+            fs.shard_map(f, mesh=mesh, in_specs="(dp b)", out_specs=spec_out)(x)
+    except fs.TracingError as e:
+        return str(e)
+    return ("no error", counts.total)
+
+
+def test_debug_mode_checks():
+    assert run_ranks(2, _rank_debug, "ok") == [("no error", 2)] * 2  # one check of inputs, one of outputs
+    texts = run_ranks(2, _rank_debug, "inputs")
+    assert texts == [texts[0]] * 2
+    assert texts[0] == (
+        "fs.shard_map(_rank_debug.<locals>.f) [debug]: args[0] differs across ranks (equal within: rank 0; "
+        "rank 1); a plain tensor argument is the global value, the same on every rank: seed random generators "
+        "the same way on every rank, take one rank's copy with fs.shard(x, mesh, spec, src=0), or pass "
+        "per-rank blocks as fs.Sharded(local, mesh, spec)"
+    )
+    texts = run_ranks(2, _rank_debug, "shapes")
+    assert texts == [texts[0]] * 2
+    assert texts[0] == (
+        "fs.shard_map(_rank_debug.<locals>.f) [debug]: f returned outputs whose structure or local shapes "
+        "differ across ranks (equal within: rank 0; rank 1); a data-dependent shape (x[mask], nonzero, "
+        "unique) on a varying value differs per rank: pad it to a fixed size (torch.where with a fill value) "
+        "or return the mask with the values"
+    )
+
+
+def test_plan_cache_is_bounded():
+    from fshard import _shard_map
+
+    mesh = fs.Mesh(dp=1)
+    f = fs.shard_map(lambda x: x * 2, mesh=mesh, in_specs="(dp b)", out_specs="(dp b)")
+    for n in range(1, _shard_map.PLAN_CACHE_SIZE + 40):
+        f(torch.ones(n))
+    assert len(f._in_plans) == _shard_map.PLAN_CACHE_SIZE
+    assert len(f._out_plans) == _shard_map.PLAN_CACHE_SIZE
+    # the most recent shapes are kept, and a hit still gives the right value
+    torch.testing.assert_close(f(torch.ones(5)).full(), torch.full((5,), 2.0))
