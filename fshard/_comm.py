@@ -188,7 +188,7 @@ def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
         out = t.clone(memory_format=torch.contiguous_format)
         if g.size > 1:
             _record("broadcast", g, out)
-            dist.broadcast(out, src=g.global_ranks[src], group=g.group)
+            dist.broadcast(out, src=g.global_ranks[src], group=g.group)  # type: ignore[arg-type]
         return out
 
 

@@ -217,11 +217,11 @@ def bind(spec: Spec | str, axis_sizes: tuple[tuple[str, int], ...], ndim: int) -
         elif a in seen_partial:
             problems.append(f"sum(...) names axis {a!r} twice")
         seen_partial.add(a)
-    for i, axes in enumerate(dims):
-        part = [a for a in axes if a in seen_partial]
-        if part and tuple(axes[len(axes) - len(part) :]) != tuple(part):
+    for i, split in enumerate(dims):
+        part = [a for a in split if a in seen_partial]
+        if part and split[len(split) - len(part) :] != tuple(part):
             problems.append(
-                f"dim {i} is split over {axes} and summed over {tuple(part)}: the summed axes must "
+                f"dim {i} is split over {split} and summed over {tuple(part)}: the summed axes must "
                 f"come last in the group so that a reduce-scatter produces the block"
             )
     if problems:
@@ -249,18 +249,20 @@ def divisibility_problems(layout: Layout, shape, mesh_shape: dict) -> list[str]:
 def bind_or_raise(spec, mesh, shape, where: str, *, local: bool = False) -> Layout:
     """Bind ``spec`` for a stored value of ``shape`` on ``mesh``, or raise one SpecError listing
     every problem. ``local=True``: ``shape`` is a block's shape (no divisibility check)."""
+    layout: Layout | None
+    found: tuple[str, ...]
     if isinstance(spec, Layout):
-        layout, problems = spec, ()
+        layout, found = spec, ()
     elif not isinstance(spec, (str, Spec)):
         raise SpecError(f"{where}: a spec must be a string like \"(dp b) d\", got {type(spec).__name__}: {spec!r}")
     else:
-        layout, problems = bind(spec, tuple(mesh.shape.items()), len(shape))
-    problems = list(problems)
+        layout, found = bind(spec, tuple(mesh.shape.items()), len(shape))
+    problems = list(found)
     if layout is not None and not local:
         problems += divisibility_problems(layout, shape, mesh.shape)
     if layout is not None and layout.partial:
         problems.append("a partial-sum spec (| sum(...)) describes a shard_map output, not a stored value")
-    if problems:
+    if problems or layout is None:
         word = "local shape" if local else "shape"
         raise SpecError(report(f"{where}: spec {str(spec)!r} for {word} {tuple(shape)} on {mesh!r}", problems))
     return layout

@@ -247,6 +247,7 @@ def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -
     out = torch.empty(local_shape, dtype=dtype, device=mesh.device)
     blocks = None
     if dist.get_rank() == src:
+        assert isinstance(x, torch.Tensor)  # checked above, on every rank
         blocks = [
             _block(x, layout, mesh, _coord_of(mesh, r)).contiguous().to(mesh.device)
             for r in range(dist.get_world_size())

@@ -46,13 +46,13 @@ class Trace:
         self.where = where
         self.pvary_cache: dict = {}
         self.id = next(_ids)
-        self._mode = None
+        self._mode: VmaMode | None = None
 
     def __enter__(self) -> "Trace":
         _stack.append(self)
         if self.mesh.tracked:
-            self._mode = VmaMode(self)
-            self._mode.__enter__()
+            mode = self._mode = VmaMode(self)
+            mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -256,9 +256,13 @@ class VaryingInt(int):
     ``x.narrow(0, i.item() * n, n)`` are tracked. Comparisons give plain bools (untracked).
     """
 
+    _fshard_vma: tuple[int, int]
+
 
 class VaryingFloat(float):
     """A Python float made from a tensor that varies over some mesh axes (see `VaryingInt`)."""
+
+    _fshard_vma: tuple[int, int]
 
 
 _ARITH = (
@@ -278,6 +282,7 @@ def _varying_scalar(value, tid: int, bits: int):
     """``value`` (a Python number) carrying ``bits``; plain when ``bits`` is 0 or it is no number."""
     if not bits or type(value) is bool:
         return value
+    out: VaryingInt | VaryingFloat
     if type(value) is int:
         out = VaryingInt(value)
     elif type(value) is float:

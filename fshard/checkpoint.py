@@ -385,7 +385,9 @@ def _resolve(path: str, step: int | None) -> str:
         return path
     found = _steps(path)
     if found:
-        return _found(_step_dir(path, found[-1]))
+        last = _found(_step_dir(path, found[-1]))
+        assert last is not None  # _steps lists complete checkpoints only
+        return last
     ckpt = _found(path)
     if ckpt is not None:
         return ckpt
@@ -503,7 +505,7 @@ def _together(distributed: bool, where: str, fn, rank0: bool = False) -> list:
         out = (False, str(e))
     except Exception as e:
         out = (False, f"fshard.checkpoint.{where}: {type(e).__name__} on rank {rank}: {e}")
-    outs = [out]
+    outs: list = [out]
     if distributed:
         outs = [None] * dist.get_world_size()
         dist.all_gather_object(outs, out)
