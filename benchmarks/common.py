@@ -12,8 +12,9 @@ every contender (each contender gets its own fresh copy in its ``Ctx``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,8 +131,9 @@ class Ctx:
             t.grad = None
 
     @staticmethod
-    def memory_state(params, optimizer: torch.optim.Optimizer | None = None,
-                     extra_grads=()) -> dict[str, list[torch.Tensor]]:
+    def memory_state(
+        params, optimizer: torch.optim.Optimizer | None = None, extra_grads=()
+    ) -> dict[str, list[torch.Tensor]]:
         params = list(params)
         grads = [p.grad for p in params if p.grad is not None] + list(extra_grads)
         optim = []

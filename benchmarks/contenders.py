@@ -13,8 +13,9 @@ The fshard entries point into ``benchmarks/fshard_contenders.py``.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,9 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _tp_values(ctx: Ctx, x, grads: dict[str, Callable[[], torch.Tensor]],
-               params: dict[str, Callable[[], torch.Tensor]]):
+def _tp_values(
+    ctx: Ctx, x, grads: dict[str, Callable[[], torch.Tensor]], params: dict[str, Callable[[], torch.Tensor]]
+):
     def values(loss):
         out = {"loss": full(loss).detach(), "grad/x": full(x.grad)}
         out.update({f"grad/{n}": g() for n, g in grads.items()})
@@ -106,11 +108,20 @@ def tp_mlp_handwritten(ctx: Ctx) -> Prepared:
         return loss
 
     values = _tp_values(
-        ctx, x,
-        grads={"0.weight": lambda: ctx.gather(w1.grad, 0), "0.bias": lambda: ctx.gather(b1.grad, 0),
-               "2.weight": lambda: ctx.gather(w2.grad, 1), "2.bias": lambda: b2.grad.detach()},
-        params={"0.weight": lambda: ctx.gather(w1, 0), "0.bias": lambda: ctx.gather(b1, 0),
-                "2.weight": lambda: ctx.gather(w2, 1), "2.bias": lambda: b2.detach()},
+        ctx,
+        x,
+        grads={
+            "0.weight": lambda: ctx.gather(w1.grad, 0),
+            "0.bias": lambda: ctx.gather(b1.grad, 0),
+            "2.weight": lambda: ctx.gather(w2.grad, 1),
+            "2.bias": lambda: b2.grad.detach(),
+        },
+        params={
+            "0.weight": lambda: ctx.gather(w1, 0),
+            "0.bias": lambda: ctx.gather(b1, 0),
+            "2.weight": lambda: ctx.gather(w2, 1),
+            "2.bias": lambda: b2.detach(),
+        },
     )
     return Prepared(step, values, lambda: ctx.memory_state(params, opt))
 
@@ -136,9 +147,12 @@ def tp_mlp_dtensor_parallelize(ctx: Ctx) -> Prepared:
         return loss
 
     named = dict(model.named_parameters())
-    values = _tp_values(ctx, x,
-                        grads={n: (lambda n=n: full(named[n].grad)) for n in PARAM_NAMES},
-                        params={n: (lambda n=n: full(named[n].detach())) for n in PARAM_NAMES})
+    values = _tp_values(
+        ctx,
+        x,
+        grads={n: (lambda n=n: full(named[n].grad)) for n in PARAM_NAMES},
+        params={n: (lambda n=n: full(named[n].detach())) for n in PARAM_NAMES},
+    )
     return Prepared(step, values, lambda: ctx.memory_state(params, opt))
 
 
@@ -182,7 +196,8 @@ def tp_mlp_dtensor_local_map(ctx: Ctx) -> Prepared:
         return loss
 
     values = _tp_values(
-        ctx, x,
+        ctx,
+        x,
         grads={n: (lambda p=p: full(p.grad)) for n, p in zip(PARAM_NAMES, params)},
         params={n: (lambda p=p: full(p.detach())) for n, p in zip(PARAM_NAMES, params)},
     )
@@ -213,7 +228,7 @@ def dp_mlp_handwritten(ctx: Ctx) -> Prepared:
     flat = torch.zeros(sum(p.numel() for p in params))
     off = 0
     for p in params:
-        p.grad = flat[off:off + p.numel()].view_as(p)
+        p.grad = flat[off : off + p.numel()].view_as(p)
         off += p.numel()
     opt = ctx.make_optimizer(params)
     x = ctx.local_batch(ctx.data["x"])
@@ -230,8 +245,11 @@ def dp_mlp_handwritten(ctx: Ctx) -> Prepared:
         return loss
 
     named = dict(model.named_parameters())
-    values = _dp_values(ctx, grads={n: (lambda n=n: named[n].grad.detach().clone()) for n in PARAM_NAMES},
-                        params={n: (lambda n=n: named[n].detach().clone()) for n in PARAM_NAMES})
+    values = _dp_values(
+        ctx,
+        grads={n: (lambda n=n: named[n].grad.detach().clone()) for n in PARAM_NAMES},
+        params={n: (lambda n=n: named[n].detach().clone()) for n in PARAM_NAMES},
+    )
     return Prepared(step, values, lambda: ctx.memory_state(params, opt))
 
 
@@ -255,8 +273,11 @@ def dp_mlp_ddp(ctx: Ctx) -> Prepared:
         return loss
 
     named = dict(model.named_parameters())
-    values = _dp_values(ctx, grads={n: (lambda n=n: named[n].grad.detach().clone()) for n in PARAM_NAMES},
-                        params={n: (lambda n=n: named[n].detach().clone()) for n in PARAM_NAMES})
+    values = _dp_values(
+        ctx,
+        grads={n: (lambda n=n: named[n].grad.detach().clone()) for n in PARAM_NAMES},
+        params={n: (lambda n=n: named[n].detach().clone()) for n in PARAM_NAMES},
+    )
     return Prepared(step, values, lambda: ctx.memory_state(params, opt))
 
 
@@ -290,7 +311,7 @@ def fsdp_mlp_handwritten(ctx: Ctx) -> Prepared:
     padded = per_rank * world
     flat_init = torch.zeros(padded)
     torch.cat([W[n].reshape(-1) for n in PARAM_NAMES], out=flat_init[:total])
-    shard = torch.nn.Parameter(flat_init[ctx.rank * per_rank:(ctx.rank + 1) * per_rank].clone())
+    shard = torch.nn.Parameter(flat_init[ctx.rank * per_rank : (ctx.rank + 1) * per_rank].clone())
     opt = ctx.make_optimizer([shard])
     x = ctx.local_batch(ctx.data["x"])
     avg = dist.ReduceOp.AVG
@@ -346,8 +367,11 @@ def fsdp_mlp_fsdp2(ctx: Ctx) -> Prepared:
         return loss
 
     named = dict(model.named_parameters())
-    values = _dp_values(ctx, grads={n: (lambda n=n: full(named[n].grad)) for n in PARAM_NAMES},
-                        params={n: (lambda n=n: full(named[n].detach())) for n in PARAM_NAMES})
+    values = _dp_values(
+        ctx,
+        grads={n: (lambda n=n: full(named[n].grad)) for n in PARAM_NAMES},
+        params={n: (lambda n=n: full(named[n].detach())) for n in PARAM_NAMES},
+    )
     return Prepared(step, values, lambda: ctx.memory_state(params, opt))
 
 
@@ -381,8 +405,12 @@ def shard_map_overhead_dtensor_local_map(ctx: Ctx) -> Prepared:
     DTensor, _, _, Shard = _dtensor_api()
     n = ctx.params["n_inputs"]
     xs = [DTensor.from_local(t, ctx.mesh, [Shard(0)], run_check=False) for t in _overhead_inputs(ctx)]
-    fn = local_map(trivial_fn, out_placements=tuple([Shard(0)] for _ in range(n)),
-                   in_placements=tuple([Shard(0)] for _ in range(n)), device_mesh=ctx.mesh)
+    fn = local_map(
+        trivial_fn,
+        out_placements=tuple([Shard(0)] for _ in range(n)),
+        in_placements=tuple([Shard(0)] for _ in range(n)),
+        device_mesh=ctx.mesh,
+    )
 
     def step():
         return fn(*xs)
@@ -463,10 +491,10 @@ def build(entry: Any, ctx: Ctx) -> Prepared:
 @dataclass(frozen=True)
 class Bench:
     title: str
-    optim: str | None            # optimizer used when timing (verify uses SGD instead of Adam)
-    baseline: str                # the hand-written minimum the ratios are taken against
-    dtensor: tuple[str, ...]     # the torch-native contenders (for "fshard / DTensor")
-    min_comm: Callable[[dict, int], tuple[int, int]]   # (collectives, bytes) per step, hand-written minimum
+    optim: str | None  # optimizer used when timing (verify uses SGD instead of Adam)
+    baseline: str  # the hand-written minimum the ratios are taken against
+    dtensor: tuple[str, ...]  # the torch-native contenders (for "fshard / DTensor")
+    min_comm: Callable[[dict, int], tuple[int, int]]  # (collectives, bytes) per step, hand-written minimum
     min_comm_doc: str
 
 
@@ -476,22 +504,37 @@ def _mlp_param_count(h: int) -> int:
 
 BENCHES: dict[str, Bench] = {
     "tp_mlp": Bench(
-        "Tensor-parallel MLP step (forward + backward, loss = sum)", None, "handwritten",
+        "Tensor-parallel MLP step (forward + backward, loss = sum)",
+        None,
+        "handwritten",
         ("dtensor_parallelize", "dtensor_local_map"),
         lambda p, w: (2, 2 * p["batch"] * p["hidden"] * 4),
-        "2 all_reduce of batch x hidden fp32 (output in forward, input grad in backward)"),
+        "2 all_reduce of batch x hidden fp32 (output in forward, input grad in backward)",
+    ),
     "dp_mlp": Bench(
-        "Data-parallel MLP step (forward + backward + Adam)", "adam", "handwritten", ("ddp",),
+        "Data-parallel MLP step (forward + backward + Adam)",
+        "adam",
+        "handwritten",
+        ("ddp",),
         lambda p, w: (1, _mlp_param_count(p["hidden"]) * 4),
-        "1 all_reduce of all gradients (fp32)"),
+        "1 all_reduce of all gradients (fp32)",
+    ),
     "fsdp_mlp": Bench(
-        "FSDP MLP step (forward + backward + Adam), one unit", "adam", "handwritten", ("fsdp2",),
+        "FSDP MLP step (forward + backward + Adam), one unit",
+        "adam",
+        "handwritten",
+        ("fsdp2",),
         lambda p, w: (2, 2 * _mlp_param_count(p["hidden"]) * 4),
-        "1 all_gather of the parameters + 1 reduce_scatter of the gradients (fp32, full size)"),
+        "1 all_gather of the parameters + 1 reduce_scatter of the gradients (fp32, full size)",
+    ),
     "shard_map_overhead": Bench(
-        "shard_map call overhead (x -> 2x on n sharded inputs)", None, "handwritten",
+        "shard_map call overhead (x -> 2x on n sharded inputs)",
+        None,
+        "handwritten",
         ("dtensor_local_map",),
-        lambda p, w: (0, 0), "no communication"),
+        lambda p, w: (0, 0),
+        "no communication",
+    ),
 }
 
 
@@ -500,7 +543,7 @@ class Case:
     bench: str
     params: dict = field(hash=False)
     warmup: int = 10
-    steps: int = 100        # timed steps per contender, split evenly over `rounds`
+    steps: int = 100  # timed steps per contender, split evenly over `rounds`
     rounds: int = 5
 
     @property
@@ -510,7 +553,7 @@ class Case:
 
 @dataclass(frozen=True)
 class MemCase:
-    layout: str              # replicated | fsdp | tp
+    layout: str  # replicated | fsdp | tp
     bench: str
     params: dict = field(hash=False)
 

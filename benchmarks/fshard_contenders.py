@@ -157,7 +157,12 @@ def dp_mlp_fshard(ctx: Ctx) -> Prepared:
         out = {"loss": loss.detach()}
         out.update({f"grad/{n}": g for n, g in zip(PARAM_NAMES, _unflatten(flat.grad, shapes, sizes, total))})
         if ctx.optim is not None:
-            out.update({f"param/{n}": p.detach() for n, p in zip(PARAM_NAMES, _unflatten(flat, shapes, sizes, total))})
+            out.update(
+                {
+                    f"param/{n}": p.detach()
+                    for n, p in zip(PARAM_NAMES, _unflatten(flat, shapes, sizes, total))
+                }
+            )
         return out
 
     return Prepared(step, values, lambda: ctx.memory_state([flat], opt))

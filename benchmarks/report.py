@@ -73,34 +73,42 @@ def markdown(results: dict[str, Any], png_name: str | None = "results.png") -> s
     L.append("# fshard benchmark results" + smoke)
     L.append("")
     L.append(f"- Machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['os']}")
-    L.append(f"- torch {m['torch']}, Python {m['python']}, gloo backend on 127.0.0.1, "
-             f"`torch.set_num_threads(1)` per rank, CPU only")
+    L.append(
+        f"- torch {m['torch']}, Python {m['python']}, gloo backend on 127.0.0.1, "
+        f"`torch.set_num_threads(1)` per rank, CPU only"
+    )
     L.append(f"- Command (from the repo root): `{results['command']}`")
     L.append(f"- Date: {m['date']}; total run time {results.get('seconds', 0):.0f} s")
     if m.get("load_start") is not None:
-        L.append(f"- Load average (1/5/15 min) at start {m['load_start']}, at end {m.get('load_end')} "
-                 f"(anything well above 0 means other processes shared the {m['cores']} cores)")
+        L.append(
+            f"- Load average (1/5/15 min) at start {m['load_start']}, at end {m.get('load_end')} "
+            f"(anything well above 0 means other processes shared the {m['cores']} cores)"
+        )
     L.append("")
-    L.append("Method: every contender of a benchmark is built in the same rank processes from the same "
-             "initial weights and data (fixed seed), warmed up, then timed in interleaved rounds (each "
-             "round runs every contender in the same fixed order, after a barrier, GC disabled). Numbers "
-             "are medians of per-step times; per rank first, then the slowest rank. *Wall* is "
-             "`time.perf_counter`, *CPU* is `time.thread_time` of the main thread (Python + dispatch + "
-             "compute on that thread; gloo's own threads are not in it). Ratios are against the "
-             "hand-written contender (`× hw`); `fshard ÷` columns give fshard's time over that row's. "
-             "Collectives are counted over one step with a `TorchDispatchMode` (c10d and functional "
-             "collectives); bytes = full logical buffer per collective (all_reduce buffer, all_gather "
-             "output, reduce_scatter input), per rank. When the load average is high, wall times include "
-             "time spent descheduled; the main-thread CPU times and their ratios are then the steadier "
-             "numbers.")
+    L.append(
+        "Method: every contender of a benchmark is built in the same rank processes from the same "
+        "initial weights and data (fixed seed), warmed up, then timed in interleaved rounds (each "
+        "round runs every contender in the same fixed order, after a barrier, GC disabled). Numbers "
+        "are medians of per-step times; per rank first, then the slowest rank. *Wall* is "
+        "`time.perf_counter`, *CPU* is `time.thread_time` of the main thread (Python + dispatch + "
+        "compute on that thread; gloo's own threads are not in it). Ratios are against the "
+        "hand-written contender (`× hw`); `fshard ÷` columns give fshard's time over that row's. "
+        "Collectives are counted over one step with a `TorchDispatchMode` (c10d and functional "
+        "collectives); bytes = full logical buffer per collective (all_reduce buffer, all_gather "
+        "output, reduce_scatter input), per rank. When the load average is high, wall times include "
+        "time spent descheduled; the main-thread CPU times and their ratios are then the steadier "
+        "numbers."
+    )
     L.append("")
 
     # summary
     L.append("## Summary")
     L.append("")
-    L.append("| world | benchmark | size | hand-written ms (wall / CPU) | torch-native ms, wall / CPU (× hw) "
-             "| fshard ms (wall / CPU) | fshard / hand-written (wall / CPU) | fshard / best torch-native "
-             "(wall / CPU) |")
+    L.append(
+        "| world | benchmark | size | hand-written ms (wall / CPU) | torch-native ms, wall / CPU (× hw) "
+        "| fshard ms (wall / CPU) | fshard / hand-written (wall / CPU) | fshard / best torch-native "
+        "(wall / CPU) |"
+    )
     L.append("|---|---|---|---|---|---|---|---|")
     for run in results["runs"]:
         for case in run["cases"]:
@@ -110,8 +118,10 @@ def markdown(results: dict[str, Any], png_name: str | None = "results.png") -> s
                 f"{n}: {_ms(_val(rows.get(n), 'wall_median'))} / {_ms(_val(rows.get(n), 'cpu_median'))} "
                 f"({_ratio(_val(rows.get(n), 'wall_median'), _val(hw, 'wall_median'))} / "
                 f"{_ratio(_val(rows.get(n), 'cpu_median'), _val(hw, 'cpu_median'))})"
-                if _ok(rows.get(n)) else f"{n}: {_status(rows.get(n))}"
-                for n in b.dtensor)
+                if _ok(rows.get(n))
+                else f"{n}: {_status(rows.get(n))}"
+                for n in b.dtensor
+            )
             L.append(
                 f"| {run['world']} | {case['bench']} | {case['label']} "
                 f"| {_ms(_val(hw, 'wall_median'))} / {_ms(_val(hw, 'cpu_median'))} | {native} "
@@ -119,7 +129,8 @@ def markdown(results: dict[str, Any], png_name: str | None = "results.png") -> s
                 f"| {_ratio(_val(fs, 'wall_median'), _val(hw, 'wall_median'))} / "
                 f"{_ratio(_val(fs, 'cpu_median'), _val(hw, 'cpu_median'))} "
                 f"| {_ratio(_val(fs, 'wall_median'), _best_dtensor(case, 'wall_median'))} / "
-                f"{_ratio(_val(fs, 'cpu_median'), _best_dtensor(case, 'cpu_median'))} |")
+                f"{_ratio(_val(fs, 'cpu_median'), _best_dtensor(case, 'cpu_median'))} |"
+            )
     L.append("")
     if png_name:
         L.append(f"![results]({png_name})")
@@ -139,15 +150,21 @@ def markdown(results: dict[str, Any], png_name: str | None = "results.png") -> s
 
 
 def _verify_md(run) -> list[str]:
-    L = [f"### Verification (world {run['world']}): loss, gradients (and parameters after one SGD step "
-         "where the benchmark has an optimizer), gathered, vs a single-process reference", "",
-         "| benchmark | size | contender | result | max rel. error | worst |", "|---|---|---|---|---|---|"]
+    L = [
+        f"### Verification (world {run['world']}): loss, gradients (and parameters after one SGD step "
+        "where the benchmark has an optimizer), gathered, vs a single-process reference",
+        "",
+        "| benchmark | size | contender | result | max rel. error | worst |",
+        "|---|---|---|---|---|---|",
+    ]
     for v in run["verify"]:
         for name, r in v["contenders"].items():
             if r.get("status") == "ok":
                 res = "pass" if r["passed"] else "**FAIL**"
-                L.append(f"| {v['bench']} | {v['label']} | {name} | {res} | {r['max_rel_err']:.1e} "
-                         f"| {r['worst']} |")
+                L.append(
+                    f"| {v['bench']} | {v['label']} | {name} | {res} | {r['max_rel_err']:.1e} "
+                    f"| {r['worst']} |"
+                )
             else:
                 L.append(f"| {v['bench']} | {v['label']} | {name} | {_status(r)} | | |")
     L.append("")
@@ -159,11 +176,16 @@ def _case_md(case, world) -> list[str]:
     rows = case["contenders"]
     hw, fs = rows.get(b.baseline), rows.get("fshard")
     min_count, min_bytes = case["min_comm"]
-    L = [f"### {case['bench']} {case['label']} (world {world})", "", f"{b.title}. Hand-written minimum: "
-         f"{min_count} collectives, {_bytes(min_bytes)} per step ({b.min_comm_doc}).", "",
-         "| contender | wall ms (median) | wall p10–p90 | CPU ms (median) | wall × hw | CPU × hw "
-         "| fshard ÷ this (wall / CPU) | collectives / step | bytes / step | bytes ÷ minimum | ops |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        f"### {case['bench']} {case['label']} (world {world})",
+        "",
+        f"{b.title}. Hand-written minimum: "
+        f"{min_count} collectives, {_bytes(min_bytes)} per step ({b.min_comm_doc}).",
+        "",
+        "| contender | wall ms (median) | wall p10–p90 | CPU ms (median) | wall × hw | CPU × hw "
+        "| fshard ÷ this (wall / CPU) | collectives / step | bytes / step | bytes ÷ minimum | ops |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         if not _ok(r):
             L.append(f"| {name} | {_status(r)} | | | | | | | | | |")
@@ -178,37 +200,48 @@ def _case_md(case, world) -> list[str]:
             f"{_ratio(_val(fs, 'cpu_median'), r['cpu_median'])} "
             f"| {comm['count']} | {_bytes(comm['bytes'])} "
             f"| {_ratio(comm['bytes'], min_bytes) if min_bytes else ('–' if not comm['bytes'] else NA)} "
-            f"| {ops} |")
-    L.append(f"\n{rows[next(iter(rows))].get('n', 0) if _ok(rows[next(iter(rows))]) else ''} timed steps "
-             "per contender per rank.\n")
+            f"| {ops} |"
+        )
+    L.append(
+        f"\n{rows[next(iter(rows))].get('n', 0) if _ok(rows[next(iter(rows))]) else ''} timed steps "
+        "per contender per rank.\n"
+    )
     return L
 
 
 def _memory_md(run) -> list[str]:
-    L = [f"### Memory per rank (world {run['world']}, Adam)", "",
-         "*params / grads / optimizer state* = bytes of the distinct storages the contender reports keeping "
-         "(DTensors: their local shard), largest rank. The allocator columns come from `torch.profiler` CPU "
-         "allocation events over building the contender + 4 steps, counted from before the build: *kept* = "
-         "bytes still allocated between steps (everything the contender holds, also DDP buckets, FSDP "
-         "buffers, caches), *step peak* = highest level during a step (adds activations, gathered "
-         "parameters, communication buffers). The profiler does not always see gloo's worker threads free "
-         "collective buffers, so allocator readings are upper bounds; the smallest over the last 3 steps "
-         "and over ranks is shown.", "",
-         "| layout | model | contender | params | grads | optimizer state | sum | kept (allocator) "
-         "| step peak (allocator) | sum ÷ minimum | peak ÷ minimum sum |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        f"### Memory per rank (world {run['world']}, Adam)",
+        "",
+        "*params / grads / optimizer state* = bytes of the distinct storages the contender reports keeping "
+        "(DTensors: their local shard), largest rank. The allocator columns come from `torch.profiler` CPU "
+        "allocation events over building the contender + 4 steps, counted from before the build: *kept* = "
+        "bytes still allocated between steps (everything the contender holds, also DDP buckets, FSDP "
+        "buffers, caches), *step peak* = highest level during a step (adds activations, gathered "
+        "parameters, communication buffers). The profiler does not always see gloo's worker threads free "
+        "collective buffers, so allocator readings are upper bounds; the smallest over the last 3 steps "
+        "and over ranks is shown.",
+        "",
+        "| layout | model | contender | params | grads | optimizer state | sum | kept (allocator) "
+        "| step peak (allocator) | sum ÷ minimum | peak ÷ minimum sum |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for mem in run["memory"]:
         mn = mem["minimum"]
-        L.append(f"| {mem['layout']} | {mem['label']} | *minimum* | {_bytes(mn['params'])} "
-                 f"| {_bytes(mn['grads'])} | {_bytes(mn['optim'])} | {_bytes(mn['state'])} | | | | |")
+        L.append(
+            f"| {mem['layout']} | {mem['label']} | *minimum* | {_bytes(mn['params'])} "
+            f"| {_bytes(mn['grads'])} | {_bytes(mn['optim'])} | {_bytes(mn['state'])} | | | | |"
+        )
         for name, r in mem["contenders"].items():
             if not _ok(r):
                 L.append(f"| {mem['layout']} | {mem['label']} | {name} | {_status(r)} | | | | | | | |")
                 continue
-            L.append(f"| {mem['layout']} | {mem['label']} | {name} ({mem['bench']}) | {_bytes(r['params'])} "
-                     f"| {_bytes(r['grads'])} | {_bytes(r['optim'])} | {_bytes(r['state'])} "
-                     f"| {_bytes(r['kept'])} | {_bytes(r['peak'])} | {_ratio(r['state'], mn['state'])} "
-                     f"| {_ratio(r['peak'], mn['state'])} |")
+            L.append(
+                f"| {mem['layout']} | {mem['label']} | {name} ({mem['bench']}) | {_bytes(r['params'])} "
+                f"| {_bytes(r['grads'])} | {_bytes(r['optim'])} | {_bytes(r['state'])} "
+                f"| {_bytes(r['kept'])} | {_bytes(r['peak'])} | {_ratio(r['state'], mn['state'])} "
+                f"| {_ratio(r['peak'], mn['state'])} |"
+            )
     L.append("")
     return L
 
@@ -242,12 +275,15 @@ def plot(results: dict[str, Any], path: Path) -> bool:
             _plot_case(ax, run, item)
         else:
             _plot_memory(ax, run, item)
-    for ax in flat[len(panels):]:
+    for ax in flat[len(panels) :]:
         ax.axis("off")
     flat[0].legend(fontsize=7)
     m = results["machine"]
-    fig.suptitle(f"fshard benchmarks: median per step, {m['cpu']}, {m['cores']} cores, torch {m['torch']}"
-                 + (" (smoke run)" if results.get("smoke") else ""), fontsize=10)
+    fig.suptitle(
+        f"fshard benchmarks: median per step, {m['cpu']}, {m['cores']} cores, torch {m['torch']}"
+        + (" (smoke run)" if results.get("smoke") else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -272,8 +308,9 @@ def _plot_case(ax, run, case) -> None:
         if not _ok(rows[n]):
             ax.text(x, top * 0.03, NA, ha="center", va="bottom", fontsize=8)
         elif hw:
-            ax.text(x - 0.2, wall[x], f"{rows[n]['wall_median'] / hw:.2f}×", ha="center", va="bottom",
-                    fontsize=6)
+            ax.text(
+                x - 0.2, wall[x], f"{rows[n]['wall_median'] / hw:.2f}×", ha="center", va="bottom", fontsize=6
+            )
     ax.set_ylim(0, top * 1.15)
     ax.set_xticks(xs)
     ax.set_xticklabels([_short(n) for n in names], rotation=20, ha="right", fontsize=7)
@@ -295,8 +332,15 @@ def _plot_memory(ax, run, mems) -> None:
     ax.bar(xs, p, label="params", color="#55A868")
     ax.bar(xs, g, bottom=p, label="grads", color="#C44E52")
     ax.bar(xs, o, bottom=[a + b for a, b in zip(p, g)], label="Adam state", color="#8172B2")
-    ax.scatter([x for x, v in zip(xs, peak) if v], [v for v in peak if v], marker="_", s=120,
-               color="black", label="step peak (allocator)", zorder=3)
+    ax.scatter(
+        [x for x, v in zip(xs, peak) if v],
+        [v for v in peak if v],
+        marker="_",
+        s=120,
+        color="black",
+        label="step peak (allocator)",
+        zorder=3,
+    )
     ax.set_xticks(xs)
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=6)
     ax.set_ylabel("MiB per rank", fontsize=8)

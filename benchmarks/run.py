@@ -176,8 +176,14 @@ def _verify_case(env, case, tol: float, only) -> dict:
         worst = max(merged, key=merged.get) if merged else ""
         missing = sorted(k for k, v in merged.items() if v == float("inf"))
         passed = all(v <= tol for v in merged.values())
-        res[name] = {"status": "ok", "passed": passed, "max_rel_err": merged.get(worst, 0.0),
-                     "worst": worst, "missing": missing, "errs": merged}
+        res[name] = {
+            "status": "ok",
+            "passed": passed,
+            "max_rel_err": merged.get(worst, 0.0),
+            "worst": worst,
+            "missing": missing,
+            "errs": merged,
+        }
     del preps
     gc.collect(1)
     return res
@@ -232,8 +238,14 @@ def _time_case(env, case, only) -> dict:
             "comm": per_rank[0]["comm"],
             "comm_max_count": max(r["comm"]["count"] for r in per_rank),
         }
-    return {"bench": case.bench, "label": case.label, "params": case.params, "phase_seconds": phases,
-            "min_comm": list(bench.min_comm(case.params, env[1])), "contenders": out}
+    return {
+        "bench": case.bench,
+        "label": case.label,
+        "params": case.params,
+        "phase_seconds": phases,
+        "min_comm": list(bench.min_comm(case.params, env[1])),
+        "contenders": out,
+    }
 
 
 def _memory_case(env, mcase, only) -> dict:
@@ -255,8 +267,9 @@ def _memory_case(env, mcase, only) -> dict:
         prep, preps, alloc = None, {}, None
         try:
             with AllocProfile() as alloc:
-                preps, st = _build_all(env, mcase.bench, mcase.params, "adam", weights, data, {name},
-                                       clone=False)
+                preps, st = _build_all(
+                    env, mcase.bench, mcase.params, "adam", weights, data, {name}, clone=False
+                )
                 prep = preps.get(name)
                 if prep is not None:
                     # short pauses let buffers that gloo's worker threads release right after a
@@ -278,8 +291,11 @@ def _memory_case(env, mcase, only) -> dict:
         statuses[name] = st[name]
         if prep is not None:
             sb = state_bytes(prep) or {}
-            local[name] = {**{k: sb.get(k) for k in ("params", "grads", "optim", "state")},
-                           "kept": alloc.kept if alloc else None, "peak": alloc.peak if alloc else None}
+            local[name] = {
+                **{k: sb.get(k) for k in ("params", "grads", "optim", "state")},
+                "kept": alloc.kept if alloc else None,
+                "peak": alloc.peak if alloc else None,
+            }
         del prep, preps
         dist.barrier(group=group)
     every = _gather_to_rank0(local, env)
@@ -298,15 +314,20 @@ def _memory_case(env, mcase, only) -> dict:
             pick = min if k in ("kept", "peak") else max
             merged[k] = None if any(v is None for v in vals) else pick(vals)
         out[name] = merged
-    return {"layout": mcase.layout, "bench": mcase.bench,
-            "label": " ".join(f"{k}={v}" for k, v in mcase.params.items()),
-            "params": mcase.params, "minimum": memory_minimum(mcase, world), "contenders": out}
+    return {
+        "layout": mcase.layout,
+        "bench": mcase.bench,
+        "label": " ".join(f"{k}={v}" for k, v in mcase.params.items()),
+        "params": mcase.params,
+        "minimum": memory_minimum(mcase, world),
+        "contenders": out,
+    }
 
 
 def memory_minimum(mcase, world: int) -> dict[str, int]:
     """Bytes per rank of params / grads / Adam state a perfect implementation of the layout keeps."""
     h = mcase.params["hidden"]
-    big = 2 * 4 * h * h + 4 * h          # 0.weight, 0.bias, 2.weight
+    big = 2 * 4 * h * h + 4 * h  # 0.weight, 0.bias, 2.weight
     n = {"replicated": big + h, "fsdp": -(-(big + h) // world), "tp": big // world + h}[mcase.layout]
     return {"params": 4 * n, "grads": 4 * n, "optim": 8 * n, "state": 16 * n}
 
@@ -322,8 +343,13 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, out_path: str) -> N
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=opts["timeout"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=opts["timeout"]),
+    )
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -351,8 +377,14 @@ def _run_rank(env, opts) -> dict:
     only_b, only_c = set(opts["bench"] or []), set(opts["contenders"] or [])
     sel = [c for c in cases(opts["smoke"]) if not only_b or c.bench in only_b]
     if opts["scale"] != 1.0:
-        sel = [dataclasses.replace(c, warmup=max(1, round(c.warmup * opts["scale"])),
-                                   steps=max(c.rounds, round(c.steps * opts["scale"]))) for c in sel]
+        sel = [
+            dataclasses.replace(
+                c,
+                warmup=max(1, round(c.warmup * opts["scale"])),
+                steps=max(c.rounds, round(c.steps * opts["scale"])),
+            )
+            for c in sel
+        ]
     msel = [m for m in mem_cases(opts["smoke"]) if not only_b or m.bench in only_b]
     result: dict[str, Any] = {"world": world, "verify": [], "cases": [], "memory": []}
     t0 = time.perf_counter()
@@ -364,8 +396,10 @@ def _run_rank(env, opts) -> dict:
             result["verify"].append({"bench": case.bench, "label": case.label, "contenders": res})
             for name, r in res.items():
                 if r["status"] == "ok":
-                    line = (f"{'PASS' if r['passed'] else 'FAIL'} max rel err {r['max_rel_err']:.2e} "
-                            f"({r['worst']})" + (f" missing {r['missing']}" if r["missing"] else ""))
+                    line = (
+                        f"{'PASS' if r['passed'] else 'FAIL'} max rel err {r['max_rel_err']:.2e} "
+                        f"({r['worst']})" + (f" missing {r['missing']}" if r["missing"] else "")
+                    )
                     ok &= r["passed"]
                 else:
                     line = r["status"]
@@ -385,11 +419,19 @@ def _run_rank(env, opts) -> dict:
             result["cases"].append(res)
             parts = []
             for name, r in res["contenders"].items():
-                parts.append(f"{name} {r['wall_median'] * 1e3:.3f} ms" if r["status"] == "ok"
-                             else f"{name} {r['status'].split(':')[0]}")
-            _log(rank, f"[world {world}] {case.bench} {case.label}: " + ", ".join(parts)
-                 + f"  ({time.perf_counter() - t:.1f} s: "
-                 + ", ".join(f"{k} {v:.1f}" for k, v in res["phase_seconds"].items()) + ")")
+                parts.append(
+                    f"{name} {r['wall_median'] * 1e3:.3f} ms"
+                    if r["status"] == "ok"
+                    else f"{name} {r['status'].split(':')[0]}"
+                )
+            _log(
+                rank,
+                f"[world {world}] {case.bench} {case.label}: "
+                + ", ".join(parts)
+                + f"  ({time.perf_counter() - t:.1f} s: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in res["phase_seconds"].items())
+                + ")",
+            )
     if not opts["no_memory"]:
         for mcase in msel:
             res = _memory_case(env, mcase, only_c)
@@ -406,24 +448,41 @@ def _run_rank(env, opts) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--world", type=int, nargs="+", default=[2], help="world size(s), e.g. --world 2 4")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, few steps (CI); world 2 unless given")
-    p.add_argument("--verify", action="store_true",
-                   help="check loss/grads/params of every contender against a single-process reference "
-                        "before timing; a failure skips timing and exits 1")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check loss/grads/params of every contender against a single-process reference "
+        "before timing; a failure skips timing and exits 1",
+    )
     p.add_argument("--verify-only", action="store_true", help="with --verify: stop after verification")
     p.add_argument("--tol", type=float, default=1e-5, help="relative tolerance for --verify")
-    p.add_argument("--bench", nargs="+", default=None,
-                   help="only these benchmarks (tp_mlp dp_mlp fsdp_mlp shard_map_overhead)")
+    p.add_argument(
+        "--bench",
+        nargs="+",
+        default=None,
+        help="only these benchmarks (tp_mlp dp_mlp fsdp_mlp shard_map_overhead)",
+    )
     p.add_argument("--contenders", nargs="+", default=None, help="only these contenders")
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="multiply every case's warm-up and timed step counts (e.g. 0.2 for a quick look)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every case's warm-up and timed step counts (e.g. 0.2 for a quick look)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the memory table")
-    p.add_argument("--out-dir", default=None,
-                   help="where RESULTS.md / results.png / results.json go (default: benchmarks/; with "
-                        "--smoke the report is only printed unless this is given)")
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help="where RESULTS.md / results.png / results.json go (default: benchmarks/; with "
+        "--smoke the report is only printed unless this is given)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="gloo collective timeout, seconds")
     args = p.parse_args(argv)
     if args.verify_only:
@@ -438,9 +497,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    opts = {"smoke": args.smoke, "verify": args.verify, "verify_only": args.verify_only, "tol": args.tol,
-            "bench": args.bench, "contenders": args.contenders, "no_memory": args.no_memory,
-            "timeout": args.timeout, "scale": args.scale}
+    opts = {
+        "smoke": args.smoke,
+        "verify": args.verify,
+        "verify_only": args.verify_only,
+        "tol": args.tol,
+        "bench": args.bench,
+        "contenders": args.contenders,
+        "no_memory": args.no_memory,
+        "timeout": args.timeout,
+        "scale": args.scale,
+    }
     results = {"machine": machine_info(), "command": _command(argv), "smoke": args.smoke, "runs": []}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as td:

@@ -24,8 +24,9 @@ from .common import Prepared
 # ----------------------------------------------------------------------------------------------------------
 
 
-def time_contenders(preps: dict[str, Prepared], *, warmup: int, steps: int, rounds: int,
-                    group=None) -> dict[str, dict[str, list[float]]]:
+def time_contenders(
+    preps: dict[str, Prepared], *, warmup: int, steps: int, rounds: int, group=None
+) -> dict[str, dict[str, list[float]]]:
     """Per-step wall and main-thread CPU seconds for every contender.
 
     Every contender first runs ``warmup`` untimed steps. Then ``rounds`` rounds run; in each, every
@@ -147,7 +148,8 @@ def _defer_to_subclass(t) -> bool:
     if (t.__module__ or "").startswith("torch._subclasses"):
         return False
     return issubclass(t, torch.Tensor) and "__torch_dispatch__" in {
-        k for c in t.__mro__ if c not in (torch.Tensor, torch._C.TensorBase, object) for k in vars(c)}
+        k for c in t.__mro__ if c not in (torch.Tensor, torch._C.TensorBase, object) for k in vars(c)
+    }
 
 
 def count_comms(prep: Prepared, group=None) -> dict[str, Any]:
@@ -256,8 +258,11 @@ class AllocProfile:
         except AttributeError:  # pragma: no cover - profiler internals moved
             return
         windows = sorted((e.start_ns(), e.end_ns()) for e in events if e.name().startswith(self.MARKER))
-        mem = sorted((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+        mem = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in events
+            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+        )
         level, k = 0, 0
         peaks = [None] * len(windows)
         starts = [None] * len(windows)

@@ -12,6 +12,7 @@ einops-style partition specs, and wrap it in `shard_map`::
         return fs.psum(x @ w, "tp")
 """
 
+from . import checkpoint, optim, random  # noqa: E402  (submodules: fs.optim.adamw, fs.random.normal)
 from ._autodiff import grad, value_and_grad
 from ._collectives import (
     all_gather,
@@ -28,6 +29,7 @@ from ._collectives import (
     pvary,
 )
 from ._comm import CollectiveCounts, count_collectives
+from ._debug import debug
 from ._errors import (
     ArgumentError,
     CheckpointError,
@@ -38,15 +40,13 @@ from ._errors import (
     SpecError,
     TracingError,
 )
-from ._debug import debug
-from ._layout import Layout
 from ._launch import RankPool, init, launch
+from ._layout import Layout
 from ._mesh import Mesh
 from ._shard_map import shard_map
 from ._sharded import Sharded, from_dtensor, shard
 from ._spec import Spec, parse_spec
 from ._visualize import visualize
-from . import checkpoint, optim, random  # noqa: E402  (submodules: fs.optim.adamw, fs.random.normal)
 
 __version__ = "0.1.0"
 

@@ -52,7 +52,9 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
         preps = {}
         for i in nums:
             if i >= len(args):
-                raise FshardError(f"value_and_grad: argnums={argnums} but only {len(args)} arguments were given")
+                raise FshardError(
+                    f"value_and_grad: argnums={argnums} but only {len(args)} arguments were given"
+                )
             preps[i] = _prepare(args[i])
             args[i] = preps[i][3]
         with torch.enable_grad():

@@ -249,10 +249,13 @@ def ppermute(x: torch.Tensor, axis, perm) -> torch.Tensor:
     bad = [p for p in pairs if not (0 <= p[0] < g.size and 0 <= p[1] < g.size)]
     if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         why = (
-            f"indices must lie in [0, {g.size})" if bad else "each index may appear at most once as a source "
-            "and once as a destination"
+            f"indices must lie in [0, {g.size})"
+            if bad
+            else "each index may appear at most once as a source and once as a destination"
         )
-        raise CollectiveError(f"fs.ppermute: bad perm {list(pairs)} for axis {axis!r} of size {g.size}: {why}")
+        raise CollectiveError(
+            f"fs.ppermute: bad perm {list(pairs)} for axis {axis!r} of size {g.size}: {why}"
+        )
     x = _vary(x, tr, v, bits)
     return _vma.tag(_apply(PPermute, x, g, pairs), tr, v | bits)
 
@@ -267,7 +270,9 @@ def pbroadcast(x: torch.Tensor, axis, src: int = 0) -> torch.Tensor:
     """
     tr, g, bits, v = _prologue(x, axis, "pbroadcast")
     if not isinstance(src, int) or not 0 <= src < g.size:
-        raise CollectiveError(f"fs.pbroadcast: src={src!r} must be an index in [0, {g.size}) of axis {axis!r}")
+        raise CollectiveError(
+            f"fs.pbroadcast: src={src!r} must be an index in [0, {g.size}) of axis {axis!r}"
+        )
     if not bits & v:
         return x
     return _vma.tag(_apply(Broadcast, x, g, src), tr, v & ~bits)

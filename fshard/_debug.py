@@ -42,7 +42,7 @@ class debug:
         self.on = on
         self._saved: list[bool] = []
 
-    def __enter__(self) -> "debug":
+    def __enter__(self) -> debug:
         global enabled
         self._saved.append(enabled)
         enabled = self.on

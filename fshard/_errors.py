@@ -62,7 +62,14 @@ class RankError(FshardError):
 
 # Public classes print as ``fshard.SpecError`` (how users import them), not the private module.
 for _cls in (
-    FshardError, SpecError, MeshError, CollectiveError, TracingError, ArgumentError, CheckpointError, RankError
+    FshardError,
+    SpecError,
+    MeshError,
+    CollectiveError,
+    TracingError,
+    ArgumentError,
+    CheckpointError,
+    RankError,
 ):
     _cls.__module__ = "fshard"
 del _cls

@@ -47,7 +47,7 @@ class Layout:
         """Whether any dim is split."""
         return bool(self.split_axes)
 
-    def same_placement(self, other: "Layout") -> bool:
+    def same_placement(self, other: Layout) -> bool:
         """Same splits and partial sums (labels may differ)."""
         return self.dims == other.dims and self.partial == other.partial
 
@@ -69,7 +69,7 @@ class Layout:
         """Summed axes that split no dim: an all-reduce over them."""
         return tuple(a for a in self.partial if a not in self.split_axes)
 
-    def reduced(self) -> "Layout":
+    def reduced(self) -> Layout:
         """The layout of the value once its partial sums are reduced."""
         return Layout(self.dims, self.labels) if self.partial else self
 
@@ -121,7 +121,9 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=4096)
-def bind(spec: Spec | str, axis_sizes: tuple[tuple[str, int], ...], ndim: int) -> tuple[Layout | None, tuple[str, ...]]:
+def bind(
+    spec: Spec | str, axis_sizes: tuple[tuple[str, int], ...], ndim: int
+) -> tuple[Layout | None, tuple[str, ...]]:
     """Bind ``spec`` to a mesh (as ``((name, size), ...)``) for a tensor of ``ndim`` dims.
 
     Returns ``(layout, problems)``; layout is None when there are problems. Raises
@@ -194,8 +196,7 @@ def bind(spec: Spec | str, axis_sizes: tuple[tuple[str, int], ...], ndim: int) -
         for a in axes:
             if a in used:
                 problems.append(
-                    f"mesh axis {a!r} splits both dim {used[a]} and dim {pos}; an axis can split "
-                    f"one dim only"
+                    f"mesh axis {a!r} splits both dim {used[a]} and dim {pos}; an axis can split one dim only"
                     if used[a] != pos
                     else f"mesh axis {a!r} appears twice in {written}"
                 )
@@ -213,7 +214,9 @@ def bind(spec: Spec | str, axis_sizes: tuple[tuple[str, int], ...], ndim: int) -
     seen_partial: set[str] = set()
     for a in spec.partial:
         if a not in mesh:
-            problems.append(f"sum({a}) names {a!r}, which is not an axis of {mesh_text}{did_you_mean(a, names)}")
+            problems.append(
+                f"sum({a}) names {a!r}, which is not an axis of {mesh_text}{did_you_mean(a, names)}"
+            )
         elif a in seen_partial:
             problems.append(f"sum(...) names axis {a!r} twice")
         seen_partial.add(a)
@@ -254,7 +257,9 @@ def bind_or_raise(spec, mesh, shape, where: str, *, local: bool = False) -> Layo
     if isinstance(spec, Layout):
         layout, found = spec, ()
     elif not isinstance(spec, (str, Spec)):
-        raise SpecError(f"{where}: a spec must be a string like \"(dp b) d\", got {type(spec).__name__}: {spec!r}")
+        raise SpecError(
+            f'{where}: a spec must be a string like "(dp b) d", got {type(spec).__name__}: {spec!r}'
+        )
     else:
         layout, found = bind(spec, tuple(mesh.shape.items()), len(shape))
     problems = list(found)
@@ -264,5 +269,7 @@ def bind_or_raise(spec, mesh, shape, where: str, *, local: bool = False) -> Layo
         problems.append("a partial-sum spec (| sum(...)) describes a shard_map output, not a stored value")
     if problems or layout is None:
         word = "local shape" if local else "shape"
-        raise SpecError(report(f"{where}: spec {str(spec)!r} for {word} {tuple(shape)} on {mesh!r}", problems))
+        raise SpecError(
+            report(f"{where}: spec {str(spec)!r} for {word} {tuple(shape)} on {mesh!r}", problems)
+        )
     return layout

@@ -172,13 +172,18 @@ class _ShardMapped:
             _debug.check_inputs(self.name, mesh, leaves, plans)
         versions = [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
-        local_args = optree.tree_unflatten(treedef, [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)])
+        local_args = optree.tree_unflatten(
+            treedef, [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
+        )
         with tr:
             out = self.f(*local_args)
         if versions:
             self._check_unmodified(leaves, plans, global_idx, versions, tr)
         out_leaves, out_treedef = optree.tree_flatten(out)
-        okey = (out_treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves])
+        okey = (
+            out_treedef,
+            *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves],
+        )
         if _debug.enabled:
             _debug.check_outputs(self.name, mesh, out_leaves, okey)
         oplans = self._out_plans.get(okey)
@@ -448,7 +453,7 @@ def _finish(x, p: _OutPlan, mesh):
 
 def _bind(spec, mesh: Mesh, ndim: int):
     if not isinstance(spec, (str, Spec)):
-        raise SpecError(f"a spec must be a string like \"(dp b) d\", got {type(spec).__name__}: {spec!r}")
+        raise SpecError(f'a spec must be a string like "(dp b) d", got {type(spec).__name__}: {spec!r}')
     return bind(spec, tuple(mesh.shape.items()), ndim)  # bind is lru_cached
 
 
@@ -539,4 +544,3 @@ def _report(name: str, what: str, problems: list[str], kind: str | None = None) 
     if kind:
         head += f" ({kind})"
     return report(head, problems)
-

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 
@@ -40,14 +39,16 @@ class Sharded:
             raise ArgumentError(f"fs.Sharded needs an fs.Mesh, got {type(mesh).__name__}")
         self.local = local
         self.mesh = mesh
-        self.layout = spec if isinstance(spec, Layout) else bind_or_raise(
-            spec, mesh, local.shape, "fs.Sharded", local=True
+        self.layout = (
+            spec
+            if isinstance(spec, Layout)
+            else bind_or_raise(spec, mesh, local.shape, "fs.Sharded", local=True)
         )
         if check and mesh.size > 1:
             _check_blocks(local, mesh, self.layout)
 
     @classmethod
-    def _wrap(cls, local: torch.Tensor, mesh: Mesh, layout: Layout) -> "Sharded":
+    def _wrap(cls, local: torch.Tensor, mesh: Mesh, layout: Layout) -> Sharded:
         """A Sharded value from a block fshard itself computed (no checks, no communication)."""
         self = cls.__new__(cls)
         self.local, self.mesh, self.layout = local, mesh, layout
@@ -84,17 +85,17 @@ class Sharded:
     def requires_grad(self) -> bool:
         return self.local.requires_grad
 
-    def requires_grad_(self, flag: bool = True) -> "Sharded":
+    def requires_grad_(self, flag: bool = True) -> Sharded:
         self.local.requires_grad_(flag)
         return self
 
     @property
-    def grad(self) -> "Sharded | None":
+    def grad(self) -> Sharded | None:
         """The gradient of the local block, as a Sharded value with the same layout."""
         g = self.local.grad
         return None if g is None else Sharded._wrap(g, self.mesh, self.layout)
 
-    def detach(self) -> "Sharded":
+    def detach(self) -> Sharded:
         return Sharded._wrap(self.local.detach(), self.mesh, self.layout)
 
     def __repr__(self) -> str:
@@ -116,7 +117,7 @@ class Sharded:
                 x = _apply(AllGatherInvariant, x, self.mesh.axis_group(axes), d, True)
         return x
 
-    def reshard(self, spec) -> "Sharded":
+    def reshard(self, spec) -> Sharded:
         """The same global value in another layout, moved with the fewest collectives.
 
         A split that disappears is all-gathered, a new split is a local slice (no
@@ -168,7 +169,9 @@ def _check_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout) -> None:
     by: dict = {}
     for rank, row in zip(mesh.ranks, rows):
         by.setdefault(tuple(row[1 : 1 + row[0]]), []).append(rank)
-    held = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {shape}" for shape, r in by.items())
+    held = "; ".join(
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {shape}" for shape, r in by.items()
+    )
     raise SpecError(
         f"fs.Sharded: the local blocks for spec {layout.spec_text()!r} on {mesh!r} differ in shape across "
         f"ranks ({held}); every rank must hold an equal block, so the global shape is the same everywhere: "
@@ -299,10 +302,11 @@ def from_dtensor(dt) -> Sharded:
         if isinstance(p, Shard):
             dims[p.dim].append(name)
         elif not isinstance(p, Replicate):
-            raise MeshError(f"fs.from_dtensor: placement {p!r} is not supported; redistribute to Shard/Replicate")
+            raise MeshError(
+                f"fs.from_dtensor: placement {p!r} is not supported; redistribute to Shard/Replicate"
+            )
     layout = Layout(tuple(tuple(d) for d in dims), tuple(None for _ in dims))
     problems = divisibility_problems(layout, dt.shape, mesh.shape)
     if problems:
         raise SpecError(report("fs.from_dtensor: uneven shards are not supported", problems))
     return Sharded._wrap(dt.to_local(), mesh, layout)
-

@@ -176,8 +176,9 @@ def _parse_cached(text: str) -> Spec:
 
     bars = [i for i, char in enumerate(text) if char == "|"]
     if len(bars) > 1:
-        fail(bars[1], 'more than one "|"',
-             'write all partial-sum axes in one suffix, e.g. "b n | sum(dp tp)"')
+        fail(
+            bars[1], 'more than one "|"', 'write all partial-sum axes in one suffix, e.g. "b n | sum(dp tp)"'
+        )
     end = bars[0] if bars else len(text)
     dims = _parse_dims(text, end, fail)
     partial = _parse_partial(text, end + 1, fail) if bars else ()
@@ -221,8 +222,9 @@ def _tokens(text: str, start: int, end: int, fail: _Fail, hint: str) -> Iterator
             while j < end and text[j] == ".":
                 j += 1
             if j - i != 3:
-                fail(i, f'"{text[i:j]}" is not an ellipsis',
-                     'write the ellipsis as exactly three dots, "..."')
+                fail(
+                    i, f'"{text[i:j]}" is not an ellipsis', 'write the ellipsis as exactly three dots, "..."'
+                )
             yield i, j, "...", "..."
             i = j
         elif _is_name_char(char):
@@ -239,11 +241,17 @@ def _tokens(text: str, start: int, end: int, fail: _Fail, hint: str) -> Iterator
 
 def _check_name(name: str, col: int, fail: _Fail) -> None:
     if name.isdigit():
-        fail(col, f'"{name}" is a number, not a name',
-             "give the dim a name; specs have no anonymous axes like einops' \"1\" or \"3\"")
+        fail(
+            col,
+            f'"{name}" is a number, not a name',
+            'give the dim a name; specs have no anonymous axes like einops\' "1" or "3"',
+        )
     if not name.isidentifier():
-        fail(col, f'"{name}" is not a valid name',
-             'names are Python identifiers: letters, digits and "_", not starting with a digit')
+        fail(
+            col,
+            f'"{name}" is not a valid name',
+            'names are Python identifiers: letters, digits and "_", not starting with a digit',
+        )
     if keyword.iskeyword(name):
         fail(col, f'"{name}" is a Python keyword', "pick a name that is not a Python keyword")
     if name.startswith("_") or name.endswith("_"):
@@ -276,14 +284,20 @@ def _parse_dims(text: str, end: int, fail: _Fail) -> tuple[Dim, ...]:
             if group is None:
                 fail(col, '")" without a matching "("', 'remove the ")" or open a group with "("')
             if not group:
-                fail(group_col, 'empty group "()"',
-                     'put the mesh axes and the dim label inside, e.g. "(tp d)", or remove the "()"')
+                fail(
+                    group_col,
+                    'empty group "()"',
+                    'put the mesh axes and the dim label inside, e.g. "(tp d)", or remove the "()"',
+                )
             dims.append(Dim(tuple(group), grouped=True))
             group = None
         elif kind == "...":
             if group is not None:
-                fail(col, '"..." inside a group',
-                     '"..." stands for unsplit dims and cannot be split; move it out of the parentheses')
+                fail(
+                    col,
+                    '"..." inside a group',
+                    '"..." stands for unsplit dims and cannot be split; move it out of the parentheses',
+                )
             if seen_ellipsis:
                 fail(col, 'more than one "..."', 'use "..." at most once in a spec')
             seen_ellipsis = True
@@ -313,8 +327,11 @@ def _parse_partial(text: str, start: int, fail: _Fail) -> tuple[str, ...]:
         fail(col, f'unknown reduction "{value}" after "|"', 'only partial sums are supported: "| sum(tp)"')
     token = next(tokens, None)
     if token is None or token[2] != "(":
-        fail(len(text) if token is None else token[0], 'expected "(" after "sum"',
-             'write the axes in parentheses, e.g. "| sum(tp)"')
+        fail(
+            len(text) if token is None else token[0],
+            'expected "(" after "sum"',
+            'write the axes in parentheses, e.g. "| sum(tp)"',
+        )
     open_col = token[0]
     axes: list[str] = []
     while True:
@@ -329,8 +346,11 @@ def _parse_partial(text: str, start: int, fail: _Fail) -> tuple[str, ...]:
         _check_name(value, col, fail)
         axes.append(value)
     if not axes:
-        fail(open_col, '"sum()" names no axis',
-             'name the mesh axes the value is a partial sum over, e.g. "| sum(tp)", or remove the suffix')
+        fail(
+            open_col,
+            '"sum()" names no axis',
+            'name the mesh axes the value is a partial sum over, e.g. "| sum(tp)", or remove the suffix',
+        )
     token = next(tokens, None)
     if token is not None:
         fail(token[0], 'unexpected text after "sum(...)"', 'the "| sum(...)" suffix must end the spec')

@@ -48,7 +48,7 @@ class Trace:
         self.id = next(_ids)
         self._mode: VmaMode | None = None
 
-    def __enter__(self) -> "Trace":
+    def __enter__(self) -> Trace:
         _stack.append(self)
         if self.mesh.tracked:
             mode = self._mode = VmaMode(self)
@@ -436,7 +436,9 @@ def _classify(func):
     name = getattr(func, "__name__", "")
     if name.startswith("_foreach_"):
         return _foreach
-    if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_"):
+    if name in _INPLACE_DUNDERS or (
+        name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
+    ):
         return _INPLACE
     return _PLAIN
 

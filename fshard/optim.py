@@ -17,7 +17,8 @@ updated in place; `local_tensors` gives that list.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import optree
 import torch
@@ -48,7 +49,8 @@ def _split(tree):
 
 def _join(locals_, like, treedef):
     return optree.tree_unflatten(
-        treedef, [Sharded._wrap(t, x.mesh, x.layout) if isinstance(x, Sharded) else t for t, x in zip(locals_, like)]
+        treedef,
+        [Sharded._wrap(t, x.mesh, x.layout) if isinstance(x, Sharded) else t for t, x in zip(locals_, like)],
     )
 
 
@@ -128,7 +130,11 @@ def adamw(
         torch._foreach_div_(denom, math.sqrt(bc2))
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
-        return _join(p, like, treedef), {"step": step, "m": _join(m, like, treedef), "v": _join(v, like, treedef)}
+        return _join(p, like, treedef), {
+            "step": step,
+            "m": _join(m, like, treedef),
+            "v": _join(v, like, treedef),
+        }
 
     return Optimizer(init, update)
 

@@ -41,8 +41,15 @@ def _place(t: torch.Tensor, mesh: Mesh | None, spec, device):
 
 
 def normal(
-    seed: int, shape, *, mean: float = 0.0, std: float = 1.0, mesh: Mesh | None = None, spec=None,
-    dtype: torch.dtype = torch.float32, device=None,
+    seed: int,
+    shape,
+    *,
+    mean: float = 0.0,
+    std: float = 1.0,
+    mesh: Mesh | None = None,
+    spec=None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
 ) -> torch.Tensor | Sharded:
     """A normal tensor whose global value depends only on ``seed`` and ``shape``.
 
@@ -57,8 +64,15 @@ def normal(
 
 
 def uniform(
-    seed: int, shape, *, low: float = 0.0, high: float = 1.0, mesh: Mesh | None = None, spec=None,
-    dtype: torch.dtype = torch.float32, device=None,
+    seed: int,
+    shape,
+    *,
+    low: float = 0.0,
+    high: float = 1.0,
+    mesh: Mesh | None = None,
+    spec=None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
 ) -> torch.Tensor | Sharded:
     """A uniform tensor whose global value depends only on ``seed`` and ``shape`` (see `normal`).
 

@@ -73,7 +73,7 @@ def _load_and_compare(path, dp, tp, step=None):
     got = checkpoint.load(path, like, step=step)
     want = _globals()
     report = {}
-    for k, spec in _LOAD_SPECS[(dp, tp)].items():
+    for k, _spec in _LOAD_SPECS[(dp, tp)].items():
         x = got["params"][k]
         assert isinstance(x, fs.Sharded) and x.mesh == mesh and x.layout == like["params"][k].layout, k
         assert x.local.shape == like["params"][k].local.shape, k
@@ -150,15 +150,16 @@ def _adam_setup(dp, tp):
 
 
 def _full(tree):
-    import fshard as fs
     import optree
+
+    import fshard as fs
 
     return optree.tree_map(lambda x: x.full() if isinstance(x, fs.Sharded) else x, tree)
 
 
 def _adam_save(path):
-    from fshard import checkpoint
     import fshard as fs
+    from fshard import checkpoint
 
     fs.init()
     _, params, opt, train = _adam_setup(2, 2)
@@ -171,8 +172,8 @@ def _adam_save(path):
 
 
 def _adam_resume(path, dp, tp):
-    from fshard import checkpoint
     import fshard as fs
+    from fshard import checkpoint
 
     fs.init()
     _, params, opt, train = _adam_setup(dp, tp)
@@ -264,8 +265,17 @@ def test_state_dict_keys_are_dotted_key_paths(saved_2x2):
 
     md = dcp.FileSystemReader(os.path.join(saved_2x2, "step_00000007")).read_metadata()
     assert set(md.state_dict_metadata) == {
-        "params.w", "params.h", "params.b", "params.rep", "params.plain",
-        "meta.step", "meta.lr", "meta.name", "meta.flag", "list.0", "list.1",
+        "params.w",
+        "params.h",
+        "params.b",
+        "params.rep",
+        "params.plain",
+        "meta.step",
+        "meta.lr",
+        "meta.name",
+        "meta.flag",
+        "list.0",
+        "list.1",
     }
     assert tuple(md.state_dict_metadata["params.h"].size) == (4, 8, 12)
 

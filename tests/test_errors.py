@@ -334,7 +334,9 @@ def test_error_classes():
     assert issubclass(fs.FshardError, RuntimeError)
     # wrong argument types are FshardErrors that `except TypeError` still catches
     assert issubclass(fs.ArgumentError, fs.FshardError) and issubclass(fs.ArgumentError, TypeError)
-    assert issubclass(fs.CheckpointError, fs.FshardError) and fs.checkpoint.CheckpointError is fs.CheckpointError
+    assert (
+        issubclass(fs.CheckpointError, fs.FshardError) and fs.checkpoint.CheckpointError is fs.CheckpointError
+    )
 
 
 # --- pytree structure mismatches (the message says in words where specs and values part ways) --------

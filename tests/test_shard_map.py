@@ -768,8 +768,12 @@ def _subtree_spec_template():
     g = torch.Generator().manual_seed(0)
     params = {"w1": torch.randn(8, 16, generator=g), "w2": torch.randn(16, 4, generator=g)}
 
-    out = fs.shard_map(lambda p: fs.psum(p["w1"].sum() + p["w2"].sum(), "dp"), mesh=mesh,
-                       in_specs=("(dp n) ...",), out_specs="")(params)
+    out = fs.shard_map(
+        lambda p: fs.psum(p["w1"].sum() + p["w2"].sum(), "dp"),
+        mesh=mesh,
+        in_specs=("(dp n) ...",),
+        out_specs="",
+    )(params)
     want = params["w1"].sum() + params["w2"].sum()
     return float((out - want).abs())
 

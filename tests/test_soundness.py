@@ -213,7 +213,9 @@ def test_untrackable_escapes_raise_on_every_rank(route):
     assert texts == [texts[0]] * 4, "ranks disagree"
     want = ESCAPES[route]
     if want is None:
-        assert texts[0].startswith("fs.shard_map(_rank_escape.<locals>.f): 1 problem") or texts[0] == "no error"
+        assert (
+            texts[0].startswith("fs.shard_map(_rank_escape.<locals>.f): 1 problem") or texts[0] == "no error"
+        )
     else:
         assert texts[0] == _HEAD + want
 
@@ -477,7 +479,11 @@ def _rank_debug(route):
             return x[x > 0.5]  # a data-dependent shape
         return x * 2
 
-    x = torch.tensor([0.1, 0.9, 0.8, 0.7]) if route == "shapes" else torch.ones(4) * (1 + (r if route == "inputs" else 0))
+    x = (
+        torch.tensor([0.1, 0.9, 0.8, 0.7])
+        if route == "shapes"
+        else torch.ones(4) * (1 + (r if route == "inputs" else 0))
+    )
     spec_out = "(dp b)"
     try:
         with fs.debug(), fs.count_collectives() as counts:
