@@ -34,8 +34,9 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from ._errors import FshardError, RankError
 
@@ -247,10 +248,7 @@ def _is_comm_error(exc: BaseException) -> bool:
     except Exception:  # pragma: no cover
         pass
     text = str(exc)
-    return any(
-        marker in text
-        for marker in _COMM_ERROR_MARKERS
-    )
+    return any(marker in text for marker in _COMM_ERROR_MARKERS)
 
 
 def _error_message(exc: BaseException) -> tuple:
@@ -336,7 +334,7 @@ def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
 # --------------------------------------------------------------------------------------------------
 # parent side
 
-_LIVE_WORLDS: "weakref.WeakSet[_World]" = weakref.WeakSet()
+_LIVE_WORLDS: weakref.WeakSet[_World] = weakref.WeakSet()
 
 
 class _Failure:
@@ -442,7 +440,7 @@ class _World:
                 proc.close()
             except ValueError:  # pragma: no cover - still running after SIGKILL (uninterruptible)
                 pass
-        self.store = None
+        self.store = None  # type: ignore[assignment]
         shutil.rmtree(self.stack_dir, ignore_errors=True)
         _LIVE_WORLDS.discard(self)
 

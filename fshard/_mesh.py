@@ -95,7 +95,7 @@ class Mesh:
         self._init(tuple(spec), tuple(spec.values()), device_mesh=None)
 
     @classmethod
-    def from_device_mesh(cls, device_mesh) -> "Mesh":
+    def from_device_mesh(cls, device_mesh) -> Mesh:
         """Wrap an existing torch ``DeviceMesh`` with named dims.
 
         Examples:
@@ -272,7 +272,7 @@ class Mesh:
                 rem //= s
             members.append(self._rank_at(coord))
         sorted_members = sorted(members)
-        order = tuple(sorted_members.index(r) for r in members)
+        order: tuple[int, ...] | None = tuple(sorted_members.index(r) for r in members)
         if order == tuple(range(size)):
             order = None
         group = None

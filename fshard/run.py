@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 import uuid
-from typing import IO, Sequence
+from collections.abc import Sequence
+from typing import IO
 
 __all__ = ["main"]
 
@@ -41,8 +42,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Launch a Python script (or module) on N local ranks with torchrun's environment.",
     )
     parser.add_argument(
-        "-n", "--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=1,
-        help="number of ranks (default 1)"
+        "-n",
+        "--nprocs",
+        "--nproc-per-node",
+        dest="nprocs",
+        type=int,
+        default=1,
+        help="number of ranks (default 1)",
     )
     parser.add_argument(
         "-m", "--module", action="store_true", help="treat SCRIPT as a module name, run like `python -m`"
@@ -154,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def forward(signum: int, frame: object) -> None:
         received.append(signum)
-        sig = signum if len(received) == 1 else signal.SIGKILL
+        sig: int = signum if len(received) == 1 else signal.SIGKILL
         for proc in procs:
             if proc.poll() is None:
                 try:
@@ -215,10 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kill_at = float("inf")
             time.sleep(0.05)
         if exit_code == 0:
-            for rank, code in enumerate(codes):
-                if code != 0 and not received:
-                    exit_code = 128 - code if code < 0 else code
-                    print(f"fshard.run: rank {rank} {_describe(code)}", file=sys.stderr, flush=True)
+            for rank, rc in enumerate(codes):
+                if rc is not None and rc != 0 and not received:
+                    exit_code = 128 - rc if rc < 0 else rc
+                    print(f"fshard.run: rank {rank} {_describe(rc)}", file=sys.stderr, flush=True)
                     break
         if received:
             exit_code = 128 + received[0]
@@ -235,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for stream in (proc.stdout, proc.stderr):
                     if stream is not None:
                         stream.close()
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        for old_sig, handler in old_handlers.items():
+            signal.signal(old_sig, handler)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

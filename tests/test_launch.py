@@ -226,8 +226,7 @@ def test_run_script_all_reduces(tmp_path):
 
 def test_run_module_with_prefix_sets_torchrun_environment(tmp_path):
     (tmp_path / "fshard_run_probe.py").write_text(
-        "import os, sys\n"
-        f"print(' '.join(f'{{k}}={{os.environ[k]}}' for k in {ENV_VARS!r}), *sys.argv[1:])\n"
+        f"import os, sys\nprint(' '.join(f'{{k}}={{os.environ[k]}}' for k in {ENV_VARS!r}), *sys.argv[1:])\n"
     )
     env = _clean_env()
     env["PYTHONPATH"] += os.pathsep + str(tmp_path)
