@@ -12,15 +12,17 @@ Run from the repository root (the same program as the ``fshard-demo`` console sc
     python examples/train_gpt.py --out run1 --stop-after 400
     python examples/train_gpt.py --out run1 --resume --dp 1 --tp 4
 
-The model, the task and the training loop live in ``fshard/demo.py``; ``--help`` lists the options.
+The model, the task and the training loop live in the package ``examples/fshard_demo/``
+(``model.py``, ``data.py``, ``train.py``, ``cli.py``); ``--help`` lists the options.
 """
 
 import os
 import sys
 
 if __name__ == "__main__":
-    # Make `import fshard` work from a source checkout without installing it.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from fshard.demo import main
+    # This file's directory (first on sys.path) holds the `fshard_demo` package; make `import
+    # fshard` work from a source checkout without installing it.
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fshard_demo.cli import main
 
     sys.exit(main())

@@ -1,12 +1,14 @@
-"""The flagship demo (fshard/demo.py, examples/train_gpt.py) end to end, on a tiny configuration.
+"""The flagship demo (the package ``fshard_demo`` in examples/fshard_demo/, examples/train_gpt.py).
 
-Every run goes through a launcher as a user would run it: ``python examples/train_gpt.py`` and
-``python -m fshard.demo`` relaunch themselves on 4 local ranks; ``python -m fshard.run -n 4``
-launches explicitly.
+End to end, on a tiny configuration: every run goes through a launcher as a user would run it:
+``python examples/train_gpt.py`` and ``python -m fshard_demo`` (what the ``fshard-demo`` console
+script runs) relaunch themselves on 4 local ranks; ``python -m fshard.run -n 4`` launches
+explicitly. And the model's API, which benchmarks import: ``fshard_demo.model``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"  # holds the package fshard_demo (installed by `pip install -e .`)
+if importlib.util.find_spec("fshard_demo") is None:  # a source checkout that is not installed
+    sys.path.append(str(EXAMPLES))
 TINY = [
     "--d-model", "32", "--n-heads", "4", "--n-layers", "1", "--d-mlp", "64", "--digits", "2",
     "--batch", "16", "--eval-size", "16", "--steps", "12", "--warmup", "3", "--ckpt-every", "6",
@@ -26,9 +33,9 @@ LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 def _run(cmd: list[str], timeout: float = 240) -> str:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH")) if x)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), str(EXAMPLES), env.get("PYTHONPATH")) if x)
     proc = subprocess.run(
-        [sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *cmd], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-4000:]}"
@@ -84,9 +91,9 @@ def test_fsdp_layouts_follow_the_same_loss_curve(uninterrupted, tmp_path, layout
 @pytest.mark.timeout(300)
 def test_resume_at_another_mesh_shape_continues_the_loss_curve(uninterrupted, tmp_path):
     ref_dir, _ = uninterrupted
-    first = _run(["-m", "fshard.demo", *TINY, "--out", str(tmp_path), "--stop-after", "6"])
+    first = _run(["-m", "fshard_demo", *TINY, "--out", str(tmp_path), "--stop-after", "6"])
     assert "steps 0..6 of 12" in first
-    second = _run(["-m", "fshard.demo", *TINY, "--out", str(tmp_path), "--resume", "--dp", "1", "--tp", "4"])
+    second = _run(["-m", "fshard_demo", *TINY, "--out", str(tmp_path), "--resume", "--dp", "1", "--tp", "4"])
     assert "(step 6) on Mesh(dp=1, tp=4)" in second
     assert "steps 6..12 of 12" in second
     ours, ref = _losses(tmp_path), _losses(ref_dir)
@@ -95,3 +102,52 @@ def test_resume_at_another_mesh_shape_continues_the_loss_curve(uninterrupted, tm
         assert ours[step] == pytest.approx(ref[step], abs=1e-4), step
     with open(tmp_path / "metrics.json") as fh:
         assert json.load(fh)["resumes"] == [{"step": 6, "mesh": "dp=1,tp=4", "layout": "dp_tp"}]
+
+
+def test_the_demo_is_not_part_of_the_library():
+    import fshard as fs
+    import fshard_demo
+
+    assert importlib.util.find_spec("fshard.demo") is None
+    assert not hasattr(fs, "demo")
+    assert callable(fshard_demo.init_params) and not hasattr(fshard_demo, "init")  # not fs.init
+
+
+def _model_api(layouts):
+    """On 4 ranks: the doctests of fshard_demo.model and .data, and one loss and gradient per layout."""
+    import doctest
+
+    import fshard as fs
+    from fshard_demo import data, model
+    from fshard_demo.data import Task
+    from fshard_demo.model import Config, fsdp_dims, init_params, loss_fn
+
+    results = [doctest.testmod(m) for m in (model, data)]
+    cfg = Config(digits=2, d_model=32, n_heads=4, n_layers=2, d_mlp=64)
+    tokens = Task(cfg.digits).batch(0, 8)
+    out = {}
+    for layout in layouts:
+        mesh = fs.Mesh(dp=4, tp=1) if layout in ("dp", "fsdp") else fs.Mesh(dp=2, tp=2)
+        params, specs = init_params(0, cfg, mesh, layout)
+        dims = fsdp_dims(specs)
+        step = fs.shard_map(
+            lambda p, t: fs.value_and_grad(loss_fn)(p, t, cfg, dims),  # noqa: B023 (called at once)
+            mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs=("", specs),
+        )
+        loss, grads = step(params, tokens)
+        wq = grads["blocks"][0]["wq"]  # Sharded where its spec splits it, else a plain tensor
+        wq = wq.full() if isinstance(wq, fs.Sharded) else wq
+        out[layout] = (float(loss), specs["blocks"][0]["wq"], float(wq.norm()))
+    return [(r.failed, r.attempted) for r in results], out
+
+
+def test_model_api_gives_the_same_loss_and_gradients_in_every_layout():
+    layouts = ["dp_tp", "fsdp_tp", "dp", "fsdp"]
+    doctests, out = run_ranks(4, _model_api, layouts)[0]
+    for (failed, attempted), name in zip(doctests, ("model", "data")):
+        assert attempted and not failed, f"fshard_demo.{name}: {failed} of {attempted} doctests failed"
+    assert out["fsdp_tp"][1] == "(dp d) (tp e)" and out["dp"][1] == "d e"
+    loss, _, norm = out["dp_tp"]
+    for layout in layouts:
+        assert out[layout][0] == pytest.approx(loss, abs=1e-5), layout
+        assert out[layout][2] == pytest.approx(norm, rel=1e-4), layout
