@@ -16,13 +16,14 @@ import optree
 import torch
 
 from . import _debug, _vma
+from ._buckets import DEFAULT_BUCKET_MB, BoundaryState, GradBoundary
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
 from ._layout import Layout, bind, divisibility_problems
 from ._mesh import Mesh
-from ._primitives import AllReduce, LocalSlice, ReduceScatter
+from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active
 from ._primitives import apply as _apply
 from ._sharded import Sharded, from_dtensor, relayout
-from ._spec import Spec, parse_spec
+from ._spec import ANONYMOUS, Spec, parse_spec
 
 __all__ = ["shard_map"]
 
@@ -36,7 +37,16 @@ dropped first): a function called with many distinct shapes does not grow withou
 # == API ==================================================================================
 
 
-def shard_map(f=None, /, *, mesh: Mesh, in_specs, out_specs, check: bool = True):
+def shard_map(
+    f=None,
+    /,
+    *,
+    mesh: Mesh,
+    in_specs,
+    out_specs,
+    check: bool = True,
+    bucket_mb: float | None = DEFAULT_BUCKET_MB,
+):
     """Run ``f`` once per rank on the local blocks of its inputs, as one global function.
 
     Args:
@@ -53,6 +63,11 @@ def shard_map(f=None, /, *, mesh: Mesh, in_specs, out_specs, check: bool = True)
             reduce-scatter when the summed axis also splits a dim).
         check: check that each output is invariant over every mesh axis its out_spec
             does not mention (before any communication, identically on every rank).
+        bucket_mb: the gradient all-reduces of inputs that are replicated over an axis and
+            meet data varying over it (data parallel) are grouped into flat buckets of at most
+            this many MiB, launched together once the backward through ``f`` is done, instead
+            of one blocking all-reduce per input. ``None`` or ``0``: one per input, as the
+            backward reaches it. Values and gradients are the same either way.
 
     Returns:
         The global function. A plain tensor argument is the global value (the same on
@@ -71,10 +86,12 @@ def shard_map(f=None, /, *, mesh: Mesh, in_specs, out_specs, check: bool = True)
         >>> y = matmul(torch.randn(8, 6), torch.randn(6, 5))   # Sharded, global shape (8, 5)
     """
     if f is None:
-        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check=check)
+        return functools.partial(
+            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check=check, bucket_mb=bucket_mb
+        )
     if not isinstance(mesh, Mesh):
         raise ArgumentError(f"fs.shard_map: mesh must be an fs.Mesh, got {type(mesh).__name__}")
-    return _ShardMapped(f, mesh, in_specs, out_specs, check)
+    return _ShardMapped(f, mesh, in_specs, out_specs, check, bucket_mb)
 
 
 class InKind(enum.Enum):
@@ -122,7 +139,7 @@ class _OutPlan:
 
 
 class _ShardMapped:
-    def __init__(self, f, mesh, in_specs, out_specs, check):
+    def __init__(self, f, mesh, in_specs, out_specs, check, bucket_mb=DEFAULT_BUCKET_MB):
         functools.update_wrapper(self, f, updated=())
         self.f = f
         self.mesh = mesh
@@ -133,6 +150,8 @@ class _ShardMapped:
         self._in_plans: collections.OrderedDict = collections.OrderedDict()
         self._out_plans: collections.OrderedDict = collections.OrderedDict()
         self._tracked = mesh.tracked  # any axis of size > 1: varying-axes tracking on
+        self._bucket_mb = bucket_mb or 0.0
+        self._all_bits = mesh.bits(mesh.axis_names)
         self._out_specs_checked = False
 
     def __repr__(self) -> str:
@@ -172,9 +191,10 @@ class _ShardMapped:
             _debug.check_inputs(self.name, mesh, leaves, plans)
         versions = [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
-        local_args = optree.tree_unflatten(
-            treedef, [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
-        )
+        local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
+        if self._bucket_mb and self._tracked and torch.is_grad_enabled() and not _functorch_active():
+            self._behind_boundary(local, plans, tr)
+        local_args = optree.tree_unflatten(treedef, local)
         with tr:
             out = self.f(*local_args)
         if versions:
@@ -232,14 +252,15 @@ class _ShardMapped:
             for p in divisibility_problems(layout, shape, mesh.shape):
                 problems.append(f"{path} (shape {shape}) with spec {str(spec)!r}: {p}")
             for i, lab in enumerate(layout.labels):
-                if lab is None or template:
+                if lab is None or lab == ANONYMOUS or template:
                     continue
                 seen = label_sizes.setdefault(lab, (shape[i], path))
                 if seen[0] != shape[i]:
                     problems.append(
                         f"dim {lab!r} has size {seen[0]} in {seen[1]} but size {shape[i]} in {path} "
                         f"(spec {str(spec)!r}, shape {shape}); a label names one logical dim, so its "
-                        f"global size must agree everywhere (rename one of them if they differ)"
+                        f"global size must agree everywhere; rename one of them, or write _ for a dim "
+                        f"that should not tie"
                     )
             if isinstance(x, Sharded) and x.mesh != mesh:
                 problems.append(
@@ -321,6 +342,25 @@ class _ShardMapped:
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems))
         return plans
+
+    def _behind_boundary(self, local, plans, tr) -> None:
+        """Put every differentiable input that may be cast with pvary behind one GradBoundary."""
+        idx = [
+            i
+            for i, (x, p) in enumerate(zip(local, plans))
+            if p.kind is not InKind.PASS and x.requires_grad and p.bits != self._all_bits
+        ]
+        if not idx:
+            return
+        state = BoundaryState(len(idx), self._bucket_mb)
+        outs = _apply(GradBoundary, state, *[local[i] for i in idx])
+        for k, i in enumerate(idx):
+            vis, twin = outs[2 * k], outs[2 * k + 1]
+            if plans[i].bits:
+                _vma.tag(vis, tr, plans[i].bits)
+            local[i] = vis
+            tr.twins[id(vis)] = (vis, twin, k)
+        tr.boundary = state
 
     # == error checking =====================================================================
 

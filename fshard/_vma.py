@@ -15,6 +15,7 @@ data-parallel data still gets exactly one gradient reduction.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -22,6 +23,9 @@ from torch.overrides import TorchFunctionMode
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
 from ._primitives import Pvary, apply
+
+if TYPE_CHECKING:
+    from ._buckets import BoundaryState
 
 _ATTR = "_fshard_vma"
 _Tensor = torch.Tensor
@@ -39,7 +43,7 @@ class Trace:
     keep nothing alive after the call.
     """
 
-    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode")
+    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "boundary")
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh
@@ -47,6 +51,9 @@ class Trace:
         self.pvary_cache: dict = {}
         self.id = next(_ids)
         self._mode: VmaMode | None = None
+        # id(visible input) -> (visible, twin, index) for inputs behind a GradBoundary (_buckets)
+        self.twins: dict = {}
+        self.boundary: BoundaryState | None = None  # of this call, when there is one (_buckets)
 
     def __enter__(self) -> Trace:
         _stack.append(self)
@@ -113,7 +120,14 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     if hit is not None:
         return hit[1]
     g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
-    out = apply(Pvary, x, g)
+    twin = tr.twins.get(id(x)) if tr.twins else None
+    groups = tr.boundary.groups if tr.boundary is not None else None
+    if twin is not None and groups is not None and twin[0] is x and groups[twin[2]] in (None, g):
+        # an input behind the GradBoundary: its twin is the cast, reduced there in buckets
+        groups[twin[2]] = g
+        out = twin[1]
+    else:
+        out = apply(Pvary, x, g)
     tag(out, tr, have | missing)
     tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
     return out

@@ -22,6 +22,7 @@ Gradient paths:
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -42,8 +43,13 @@ from tests.programs import PATHS, PROGRAMS
 # == the driver (one job on every rank) =====================================================
 
 
-def _run_case(prog, axes, path, dtype_name, opts):
+def _run_case(prog, axes, path, dtype_name, opts, bucketed=False):
+    """``bucketed=False``: one gradient all-reduce per input (``bucket_mb=0``), the records
+    asserted exactly. ``bucketed=True``: the default buckets; the same values and gradients, the
+    same bytes per (kind, axes), and no more calls (`_check_bucketed`)."""
     import fshard as fs
+
+    bucket_mb = 25.0 if bucketed else 0
 
     dtype = getattr(torch, dtype_name)
     mesh = fs.Mesh(**axes)
@@ -81,15 +87,16 @@ def _run_case(prog, axes, path, dtype_name, opts):
             mesh=mesh,
             in_specs=(c.specs, ct_spec),
             out_specs=(c.out_spec, {k: c.specs[k] for k in c.diff}),
+            bucket_mb=bucket_mb,
         )
         args = {k: arg(k, v, False) for k, v in c.inputs.items()}
         if shard_specs:  # the relayout of Sharded inputs happens before f, without gradient
             want_fwd += expected_counts(mesh, c.sharded_fwd)
         with fs.count_collectives() as counts:
             out, grads = f(args, ct)
-        check_counts(errs, "forward+backward inside f", counts, want_fwd + want_bwd)
+        _check(errs, "forward+backward inside f", counts, want_fwd + want_bwd, bucketed)
     else:
-        f = fs.shard_map(c.local, mesh=mesh, in_specs=(c.specs,), out_specs=c.out_spec)
+        f = fs.shard_map(c.local, mesh=mesh, in_specs=(c.specs,), out_specs=c.out_spec, bucket_mb=bucket_mb)
         args = {k: arg(k, v, k in c.diff) for k, v in c.inputs.items()}
         if path == "outside-sharded" and shard_specs:
             want_fwd += expected_counts(mesh, c.sharded_fwd)
@@ -108,7 +115,7 @@ def _run_case(prog, axes, path, dtype_name, opts):
                 want_bwd += expected_counts(
                     mesh, local_slice_backward(mesh, c.specs[k], c.inputs[k].shape, dtype.itemsize)
                 )
-        check_counts(errs, "backward", bwd, want_bwd)
+        _check(errs, "backward", bwd, want_bwd, bucketed)
         grads = {k: args[k].grad for k in c.diff}
         for k in c.diff:
             if isinstance(args[k], fs.Sharded) and not isinstance(grads[k], (fs.Sharded, type(None))):
@@ -121,6 +128,25 @@ def _run_case(prog, axes, path, dtype_name, opts):
         g = grads[k]
         close(errs, f"grad {k}", full(g) if g is not None else None, ref_grads[k], dtype)
     return errs
+
+
+def _check(errs, what, counts, want, bucketed):
+    if not bucketed:
+        check_counts(errs, what, counts, want)
+        return
+    # Buckets merge gradient all-reduces over the same axes: the same bytes, no more calls.
+    got_bytes, want_bytes, got_calls, want_calls = Counter(), Counter(), Counter(), Counter()
+    for (kind, axes, n), k in want.items():
+        want_bytes[kind, axes] += n * k
+        want_calls[kind, axes] += k
+    for kind, axes, n in counts.records:
+        got_bytes[kind, axes] += n
+        got_calls[kind, axes] += 1
+    if got_bytes != want_bytes or any(got_calls[k] > want_calls[k] for k in got_calls):
+        errs.append(
+            f"{what}: bucketed collectives differ\n      got  {sorted(got_calls.items())} {sorted(got_bytes.items())}"
+            f"\n      want {sorted(want_calls.items())} {sorted(want_bytes.items())}"
+        )
 
 
 def _cases():
@@ -190,3 +216,17 @@ def _cases():
 def test_program_matrix(prog, axes, opts, dtype, path):
     world = math.prod(axes.values())
     assert_ok(run_ranks(world, _run_case, prog, axes, path, dtype, opts))
+
+
+_BUCKETED = [
+    c
+    for c in _cases()
+    if c.values[0] in ("worked", "dp_mlp", "fsdp", "dp_tp", "fsdp_tp", "ulysses", "dp_out", "vocab_ce")
+    and math.prod(c.values[1].values()) > 1
+]
+
+
+@pytest.mark.parametrize("prog, axes, opts, dtype, path", _BUCKETED)
+def test_program_matrix_bucketed(prog, axes, opts, dtype, path):
+    world = math.prod(axes.values())
+    assert_ok(run_ranks(world, _run_case, prog, axes, path, dtype, opts, True))
