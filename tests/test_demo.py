@@ -24,9 +24,32 @@ EXAMPLES = ROOT / "examples"  # holds the package fshard_demo (installed by `pip
 if importlib.util.find_spec("fshard_demo") is None:  # a source checkout that is not installed
     sys.path.append(str(EXAMPLES))
 TINY = [
-    "--d-model", "32", "--n-heads", "4", "--n-layers", "1", "--d-mlp", "64", "--digits", "2",
-    "--batch", "16", "--eval-size", "16", "--steps", "12", "--warmup", "3", "--ckpt-every", "6",
-    "--eval-every", "0", "--ref-every", "4", "--lr", "3e-3",
+    "--d-model",
+    "32",
+    "--n-heads",
+    "4",
+    "--n-layers",
+    "1",
+    "--d-mlp",
+    "64",
+    "--digits",
+    "2",
+    "--batch",
+    "16",
+    "--eval-size",
+    "16",
+    "--steps",
+    "12",
+    "--warmup",
+    "3",
+    "--ckpt-every",
+    "6",
+    "--eval-every",
+    "0",
+    "--ref-every",
+    "4",
+    "--lr",
+    "3e-3",
 ]
 LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -35,7 +58,13 @@ def _run(cmd: list[str], timeout: float = 240) -> str:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), str(EXAMPLES), env.get("PYTHONPATH")) if x)
     proc = subprocess.run(
-        [sys.executable, *cmd], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *cmd],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-4000:]}"
@@ -76,8 +105,20 @@ def test_default_layout_matches_the_one_process_reference(uninterrupted):
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
 def test_fsdp_layouts_follow_the_same_loss_curve(uninterrupted, tmp_path, layout):
     ref_dir, _ = uninterrupted
-    text = _run(["-m", "fshard.run", "-n", "4", "examples/train_gpt.py", *TINY, "--layout", layout,
-                 "--out", str(tmp_path)])
+    text = _run(
+        [
+            "-m",
+            "fshard.run",
+            "-n",
+            "4",
+            "examples/train_gpt.py",
+            *TINY,
+            "--layout",
+            layout,
+            "--out",
+            str(tmp_path),
+        ]
+    )
     mesh = "Mesh(dp=4, tp=1)" if layout == "fsdp" else "Mesh(dp=2, tp=2)"
     assert f"4 ranks, {mesh}, layout {layout}" in text
     # FSDP: every parameter is all-gathered over dp; the transpose is a reduce-scatter of its gradient
@@ -132,7 +173,9 @@ def _model_api(layouts):
         dims = fsdp_dims(specs)
         step = fs.shard_map(
             lambda p, t: fs.value_and_grad(loss_fn)(p, t, cfg, dims),  # noqa: B023 (called at once)
-            mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs=("", specs),
+            mesh=mesh,
+            in_specs=(specs, "(dp b) t"),
+            out_specs=("", specs),
         )
         loss, grads = step(params, tokens)
         wq = grads["blocks"][0]["wq"]  # Sharded where its spec splits it, else a plain tensor

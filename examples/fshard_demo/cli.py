@@ -43,10 +43,17 @@ def _parser() -> argparse.ArgumentParser:
     add("--out", default="fshard_demo_out", help="output directory (checkpoints, metrics, plot)")
     add("--ckpt-every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    add("--check-reference", action="store_true",
-        help="then train the same steps in one process and compare every loss (exit 1 if they differ)")
-    add("--ref-every", type=int, default=25,
-        help="--check-reference: restart the 1-process run from the sharded run's state every N steps")
+    add(
+        "--check-reference",
+        action="store_true",
+        help="then train the same steps in one process and compare every loss (exit 1 if they differ)",
+    )
+    add(
+        "--ref-every",
+        type=int,
+        default=25,
+        help="--check-reference: restart the 1-process run from the sharded run's state every N steps",
+    )
     add("--tolerance", type=float, default=1e-3, help="--check-reference: largest allowed |loss difference|")
     add("--log-every", type=int, default=None, help="progress line every N steps; unset: 10 lines (tty: all)")
     # Internal, for the --check-reference run: its role, first step, and the sharded run's states.
@@ -54,7 +61,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--start", type=int, default=0, help=argparse.SUPPRESS)
     add("--anchors", default=None, help=argparse.SUPPRESS)
     return p
-
 
 
 def _mesh_shape(args, world: int) -> tuple[int, int]:
@@ -95,8 +101,9 @@ def _check_cfg(cfg: Config, args, dp: int, tp: int) -> None:
     if args.batch % dp or args.eval_size % dp:
         problems.append(f"--batch {args.batch} and --eval-size {args.eval_size} must be divisible by dp={dp}")
     if args.layout.startswith("fsdp") and (cfg.d_model % dp or cfg.vocab % dp):
-        problems.append(f"FSDP splits d_model={cfg.d_model} and vocab={cfg.vocab} over dp={dp}: "
-                        f"not divisible")
+        problems.append(
+            f"FSDP splits d_model={cfg.d_model} and vocab={cfg.vocab} over dp={dp}: not divisible"
+        )
     if problems:
         raise SystemExit("fshard-demo: bad configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -137,4 +144,3 @@ def main(argv=None) -> int:
         os.environ["PYTHONPATH"] = child_pythonpath(os.environ.get("PYTHONPATH"))
         return run_main(["-n", str(args.nprocs), "-m", __package__, *argv])
     return _run_rank(args)
-

@@ -48,7 +48,10 @@ class Task:
         d = self.digits
         return torch.cat(
             [
-                self._digits(a, d), torch.full((n, 1), PLUS), self._digits(b, d), torch.full((n, 1), EQUALS),
+                self._digits(a, d),
+                torch.full((n, 1), PLUS),
+                self._digits(b, d),
+                torch.full((n, 1), EQUALS),
                 self._digits(a + b, d + 1).flip(1),
             ],
             dim=1,
@@ -63,8 +66,10 @@ class Task:
                 b = torch.randint(0, self.high, (4 * n,), generator=g)
             else:  # a random length from 1 to digits, then uniform below 10**length
                 a, b = (
-                    (torch.rand(4 * n, generator=g, dtype=torch.float64)
-                     * 10.0 ** torch.randint(1, self.digits + 1, (4 * n,), generator=g)).long()
+                    (
+                        torch.rand(4 * n, generator=g, dtype=torch.float64)
+                        * 10.0 ** torch.randint(1, self.digits + 1, (4 * n,), generator=g)
+                    ).long()
                     for _ in range(2)
                 )
             keep = self.held_out(a, b) == held_out

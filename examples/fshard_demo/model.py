@@ -93,10 +93,14 @@ def param_specs(cfg: Config, layout: str) -> dict:
         return f"(dp {label})" if fsdp else label
 
     block = {
-        "ln1_w": z("d"), "ln1_b": z("d"),
-        "wq": f"{z('d')} {t('e')}", "wk": f"{z('d')} {t('e')}", "wv": f"{z('d')} {t('e')}",
+        "ln1_w": z("d"),
+        "ln1_b": z("d"),
+        "wq": f"{z('d')} {t('e')}",
+        "wk": f"{z('d')} {t('e')}",
+        "wv": f"{z('d')} {t('e')}",
         "wo": f"{t('e')} {z('d')}",
-        "ln2_w": z("d"), "ln2_b": z("d"),
+        "ln2_w": z("d"),
+        "ln2_b": z("d"),
         "w1": f"{z('d')} {t('f')}",
         "w2": f"{t('f')} {z('d')}",
     }
@@ -104,7 +108,8 @@ def param_specs(cfg: Config, layout: str) -> dict:
         "wte": f"v {z('d')}",
         "wpe": f"p {z('d')}",
         "blocks": [dict(block) for _ in range(cfg.n_layers)],
-        "lnf_w": z("d"), "lnf_b": z("d"),
+        "lnf_w": z("d"),
+        "lnf_b": z("d"),
         "w_out": f"{z('d')} v",
     }
 
@@ -124,10 +129,24 @@ def init_params(seed: int, cfg: Config, mesh: fs.Mesh, layout: str = "dp_tp"):
     specs = param_specs(cfg, layout)
     d, f, v = cfg.d_model, cfg.d_mlp, cfg.vocab
     shapes = {
-        "wte": (v, d), "wpe": (cfg.seq_len, d), "lnf_w": (d,), "lnf_b": (d,), "w_out": (d, v),
+        "wte": (v, d),
+        "wpe": (cfg.seq_len, d),
+        "lnf_w": (d,),
+        "lnf_b": (d,),
+        "w_out": (d, v),
         "blocks": [
-            {"ln1_w": (d,), "ln1_b": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
-             "ln2_w": (d,), "ln2_b": (d,), "w1": (d, f), "w2": (f, d)}
+            {
+                "ln1_w": (d,),
+                "ln1_b": (d,),
+                "wq": (d, d),
+                "wk": (d, d),
+                "wv": (d, d),
+                "wo": (d, d),
+                "ln2_w": (d,),
+                "ln2_b": (d,),
+                "w1": (d, f),
+                "w2": (f, d),
+            }
             for _ in range(cfg.n_layers)
         ],
     }
@@ -206,4 +225,3 @@ def loss_fn(params, tokens, cfg: Config, dp_dims=None):
     logits = forward(params, tokens[:, :-1], cfg, dp_dims)[:, -n_ans:]
     local = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, -n_ans:].reshape(-1))
     return fs.pmean(local, "dp")
-

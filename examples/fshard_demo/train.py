@@ -75,7 +75,7 @@ def make_eval_step(cfg: Config, mesh: fs.Mesh, specs):
         for _ in range(cfg.digits + 1):
             nxt = forward(p, seq, cfg)[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
-        pred = seq[:, prompts.shape[1]:]
+        pred = seq[:, prompts.shape[1] :]
         correct = (pred == answers).all(dim=1).float().sum()
         return fs.psum(correct, "dp"), pred
 
@@ -89,7 +89,6 @@ def _lr(step: int, args) -> float:
         return args.lr * (step + 1) / args.warmup
     frac = (step - args.warmup) / max(1, args.steps - args.warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
 
 
 class _Progress:
@@ -143,7 +142,6 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-
 def _run_key(args, cfg: Config) -> dict:
     """What must not change between a run and its resumption (the loss curve depends on it)."""
     keys = ("seed", "batch", "lr", "warmup", "steps", "weight_decay", "clip")
@@ -156,8 +154,9 @@ def _start_or_resume(args, state, metrics, mesh_text, show):
     if not args.resume:
         if show and os.path.isdir(ckpt_dir):
             if checkpoint.latest_step(ckpt_dir) is not None:
-                print(f"starting from scratch: removing old checkpoints in {ckpt_dir} "
-                      f"(--resume continues them)")
+                print(
+                    f"starting from scratch: removing old checkpoints in {ckpt_dir} (--resume continues them)"
+                )
             for name in os.listdir(ckpt_dir):
                 if name.startswith(("step_", ".tmp_step_")):
                     shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
@@ -185,8 +184,10 @@ def _start_or_resume(args, state, metrics, mesh_text, show):
     metrics["resumes"].append({"step": latest, "mesh": mesh_text, "layout": args.layout})
     if show:
         where = os.path.join(ckpt_dir, f"step_{latest:08d}")
-        print(f"resumed from {where} (step {latest}) on Mesh({mesh_text.replace(',', ', ')}), "
-              f"layout {args.layout}, in {time.perf_counter() - t0:.1f} s")
+        print(
+            f"resumed from {where} (step {latest}) on Mesh({mesh_text.replace(',', ', ')}), "
+            f"layout {args.layout}, in {time.perf_counter() - t0:.1f} s"
+        )
     return state, latest, metrics
 
 
@@ -214,8 +215,14 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
     state = {"params": params, "opt": fs.optim.adamw(args.lr).init(params)}
     train_step = make_train_step(cfg, mesh, specs, weight_decay=args.weight_decay, clip=args.clip)
     eval_step = make_eval_step(cfg, mesh, specs)
-    metrics = {"run": _run_key(args, cfg), "mesh": mesh_text, "layout": args.layout,
-               "losses": [], "evals": [], "resumes": []}
+    metrics = {
+        "run": _run_key(args, cfg),
+        "mesh": mesh_text,
+        "layout": args.layout,
+        "losses": [],
+        "evals": [],
+        "resumes": [],
+    }
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
     if reference:
@@ -314,14 +321,20 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
         n = len(step_times)
         mean_dt = sum(step_times) / n
         recent = [v for _, v in metrics["losses"][-20:]]
-        print(f"  trained steps {start}..{stop} of {args.steps} in {wall:.1f} s: "
-              f"{1000 * mean_dt:.1f} ms/step, {tokens_per_step / mean_dt / 1000:.1f}k tokens/s "
-              f"on {world} ranks "
-              f"(rank 0 busy {1000 * sum(cpu_times) / n:.1f} ms/step on the CPU)")
-        print(f"  final loss {metrics['losses'][-1][1]:.4f} "
-              f"(mean of the last {len(recent)} steps {sum(recent) / len(recent):.4f})")
-    print(f"  held-out exact match {100 * acc:.1f}% ({round(acc * args.eval_size)}/{args.eval_size} sums of "
-          f"pairs never trained on), e.g.")
+        print(
+            f"  trained steps {start}..{stop} of {args.steps} in {wall:.1f} s: "
+            f"{1000 * mean_dt:.1f} ms/step, {tokens_per_step / mean_dt / 1000:.1f}k tokens/s "
+            f"on {world} ranks "
+            f"(rank 0 busy {1000 * sum(cpu_times) / n:.1f} ms/step on the CPU)"
+        )
+        print(
+            f"  final loss {metrics['losses'][-1][1]:.4f} "
+            f"(mean of the last {len(recent)} steps {sum(recent) / len(recent):.4f})"
+        )
+    print(
+        f"  held-out exact match {100 * acc:.1f}% ({round(acc * args.eval_size)}/{args.eval_size} sums of "
+        f"pairs never trained on), e.g."
+    )
     for i in range(4):
         prompt = task.render(eval_tokens[i, :n_prompt])
         want = task.render(eval_tokens[i, n_prompt:].flip(0)).lstrip("0") or "0"
@@ -335,8 +348,12 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
     history = [f"{metrics.get('layout', '?')} on {metrics.get('mesh', '?')}"]
     history += [f"{r['layout']} on {r['mesh']}" for r in metrics["resumes"]]
     try:
-        plot_metrics(metrics, png, f"fshard demo: {cfg.digits}-digit addition, {cfg.n_params / 1e6:.2f}M params, "
-                            + " -> ".join(history))
+        plot_metrics(
+            metrics,
+            png,
+            f"fshard demo: {cfg.digits}-digit addition, {cfg.n_params / 1e6:.2f}M params, "
+            + " -> ".join(history),
+        )
     except ImportError:
         png = "not drawn (matplotlib is not installed: pip install 'fshard[demo]')"
     print(f"  checkpoint {os.path.join(ckpt_dir, f'step_{stop:08d}')}, loss curve {png}")
@@ -366,18 +383,58 @@ def _check_reference(args, metrics: dict, start: int, stop: int) -> int:
     """
     ref_out = os.path.join(args.out, "reference")
     anchors = os.path.join(ref_out, "anchors")
-    same = ("steps", "batch", "lr", "warmup", "weight_decay", "clip", "seed",
-            "d_model", "n_heads", "n_layers", "d_mlp", "digits", "eval_size")
-    argv = ["-m", __package__, "--role", "reference", "--nprocs", "1", "--dp", "1", "--tp", "1",
-            "--layout", args.layout, "--out", ref_out, "--start", str(start), "--stop-after", str(stop),
-            "--anchors", anchors, "--log-every", str(max(1, (stop - start) // 4))]
+    same = (
+        "steps",
+        "batch",
+        "lr",
+        "warmup",
+        "weight_decay",
+        "clip",
+        "seed",
+        "d_model",
+        "n_heads",
+        "n_layers",
+        "d_mlp",
+        "digits",
+        "eval_size",
+    )
+    argv = [
+        "-m",
+        __package__,
+        "--role",
+        "reference",
+        "--nprocs",
+        "1",
+        "--dp",
+        "1",
+        "--tp",
+        "1",
+        "--layout",
+        args.layout,
+        "--out",
+        ref_out,
+        "--start",
+        str(start),
+        "--stop-after",
+        str(stop),
+        "--anchors",
+        anchors,
+        "--log-every",
+        str(max(1, (stop - start) // 4)),
+    ]
     for name in same:
         argv += [f"--{name.replace('_', '-')}", repr(getattr(args, name))]
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_ENV and not k.startswith(("TORCHELASTIC_", "ROLE_", "GROUP_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCH_ENV and not k.startswith(("TORCHELASTIC_", "ROLE_", "GROUP_"))
+    }
     env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))
-    print(f"--check-reference: training steps {start}..{stop} again in one process (Mesh(dp=1, tp=1)), "
-          f"restarting from the sharded run's state every {args.ref_every} steps ...", flush=True)
+    print(
+        f"--check-reference: training steps {start}..{stop} again in one process (Mesh(dp=1, tp=1)), "
+        f"restarting from the sharded run's state every {args.ref_every} steps ...",
+        flush=True,
+    )
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, *argv], check=False, env=env)
     shutil.rmtree(anchors, ignore_errors=True)
@@ -394,7 +451,9 @@ def _check_reference(args, metrics: dict, start: int, stop: int) -> int:
     first = max(d for s, d in diffs.items() if s == start or s % args.ref_every == 0)
     metrics["reference_losses"] = sorted(ref.items())
     ok = diffs[at] <= args.tolerance
-    print(f"--check-reference: {len(diffs)} steps in {time.perf_counter() - t0:.0f} s: "
-          f"max |loss - reference loss| = {diffs[at]:.1e} (at step {at}; on the first step of each window "
-          f"{first:.1e}), tolerance {args.tolerance:.0e}: {'PASS' if ok else 'FAIL'}")
+    print(
+        f"--check-reference: {len(diffs)} steps in {time.perf_counter() - t0:.0f} s: "
+        f"max |loss - reference loss| = {diffs[at]:.1e} (at step {at}; on the first step of each window "
+        f"{first:.1e}), tolerance {args.tolerance:.0e}: {'PASS' if ok else 'FAIL'}"
+    )
     return 0 if ok else 1
