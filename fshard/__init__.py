@@ -14,6 +14,7 @@ einops-style partition specs, and wrap it in `shard_map`::
 
 from . import checkpoint, optim, random  # noqa: E402  (submodules: fs.optim.adamw, fs.random.normal)
 from ._autodiff import grad, value_and_grad
+from ._buckets import no_sync
 from ._collectives import (
     all_gather,
     all_to_all,
@@ -44,7 +45,7 @@ from ._launch import RankPool, init, launch
 from ._layout import Layout
 from ._mesh import Mesh
 from ._shard_map import shard_map
-from ._sharded import Sharded, from_dtensor, shard
+from ._sharded import Sharded, from_dtensor, full, reduce_to, shard
 from ._spec import Spec, parse_spec
 from ._visualize import visualize
 
@@ -61,6 +62,8 @@ __all__ = [
     "Sharded",
     "shard",
     "from_dtensor",
+    "full",
+    "reduce_to",
     "visualize",
     "debug",
     # collectives
@@ -79,6 +82,7 @@ __all__ = [
     # autodiff
     "grad",
     "value_and_grad",
+    "no_sync",
     "count_collectives",
     "CollectiveCounts",
     # launching

@@ -20,6 +20,8 @@ per input); under ``torch.func`` transforms the boundary is not used.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -28,32 +30,91 @@ from ._comm import untracked
 from ._mesh import AxisGroup
 from ._primitives import AllReduce, apply
 
-__all__ = ["GradBoundary", "BoundaryState", "DEFAULT_BUCKET_MB"]
+__all__ = ["GradBoundary", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync"]
 
 DEFAULT_BUCKET_MB = 25.0
 """Bucket size for gradient all-reduces, as DDP's default."""
 
+_sync = True
+# Unreduced gradients of leaf inputs from calls under `no_sync`: id(input) -> (weak reference to
+# the input, axis group, sum). Keyed by id (tensors compare elementwise), dropped with the input.
+_PENDING: dict = {}
+
+
+def _take_pending(leaf):
+    hit = _PENDING.get(id(leaf))
+    if hit is None or hit[0]() is not leaf:
+        return None
+    del _PENDING[id(leaf)]
+    return hit[1], hit[2]
+
+
+def _add_pending(leaf, g, twin) -> None:
+    hit = _take_pending(leaf)
+    total = twin.detach().clone() if hit is None else hit[1] + twin.detach()
+    key = id(leaf)
+    if hit is None:
+        weakref.finalize(leaf, _PENDING.pop, key, None)
+    _PENDING[key] = (weakref.ref(leaf), g, total)
+
+
+class no_sync:
+    """Accumulate gradients over micro-batches without reducing them (DDP's ``no_sync``).
+
+    Calls of shard_map'd functions made inside the block keep the data-parallel gradient
+    reductions of their leaf inputs (parameters) pending: each backward adds this rank's
+    unreduced gradient to a buffer per parameter (the invariant part of the gradient is
+    accumulated as usual). The first call made outside the block reduces its own gradients
+    together with everything pending, in the same buckets: one reduction for all the
+    micro-batches, and ``p.grad`` is then exactly what one big batch gives.
+
+    Examples:
+        >>> with fs.no_sync():
+        ...     for mb in batches[:-1]:
+        ...         step(params, mb).backward()
+        >>> step(params, batches[-1]).backward()      # reduces once, for all micro-batches
+    """
+
+    def __enter__(self) -> no_sync:
+        global _sync
+        self._saved = _sync
+        _sync = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _sync
+        _sync = self._saved
+
 
 class BoundaryState:
-    """Per call: for each boundary input, the axis group its twin is summed over (or None)."""
+    """Per call: for each boundary input, the axis group its twin is summed over (or None),
+    its dtype and whether it is a leaf (whose reduction `no_sync` may defer)."""
 
-    __slots__ = ("groups", "bucket_bytes")
+    __slots__ = ("groups", "bucket_bytes", "dtypes", "leaves", "defer", "param_dtype", "reduce_dtype")
 
-    def __init__(self, n: int, bucket_mb: float):
+    def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None):
+        n = len(xs)
         self.groups: list[AxisGroup | None] = [None] * n
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.dtypes = [x.dtype for x in xs]
+        self.leaves = [x if x.is_leaf else None for x in xs]
+        self.defer = not _sync
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
 
 
 class GradBoundary(torch.autograd.Function):
-    """Identity on n inputs, returning ``(visible_0, twin_0, visible_1, twin_1, ...)``."""
+    """Identity on n inputs (or a cast to ``param_dtype``), returning ``(visible_0, twin_0, ...)``."""
 
     @staticmethod
     def forward(state, *xs):
         with untracked():
             out = []
+            cast = state.param_dtype
             for x in xs:
-                out.append(x.view_as(x))
-                out.append(x.view_as(x))
+                y = x.to(cast) if cast is not None and x.is_floating_point() and x.dtype != cast else x
+                out.append(y.view_as(y))
+                out.append(y.view_as(y))
             return tuple(out)
 
     @staticmethod
@@ -67,25 +128,40 @@ class GradBoundary(torch.autograd.Function):
         n = len(state.groups)
         grads: list = [None] * n
         pending: dict = {}
+        twins: list = [None] * n
+        differentiable = torch.is_grad_enabled()
         for i in range(n):
             vis, twin = cts[2 * i], cts[2 * i + 1]
             g = state.groups[i]
+            dtype = state.dtypes[i]
+            grads[i] = None if vis is None else vis.to(dtype)
+            if differentiable:  # create_graph: keep the reduction differentiable, nothing deferred
+                if twin is not None and g is not None:
+                    red = apply(AllReduce, twin, g).to(dtype)
+                    grads[i] = red if grads[i] is None else grads[i] + red
+                continue
+            leaf = state.leaves[i]
+            if twin is not None and g is not None:
+                twin = twin.to(state.reduce_dtype or dtype)
+            if state.defer and leaf is not None:
+                if twin is not None and g is not None:
+                    _add_pending(leaf, g, twin)
+                continue
+            hit = _take_pending(leaf) if leaf is not None and _PENDING else None
+            if hit is not None:
+                g = g if g is not None else hit[0]
+                twin = hit[1] if twin is None or state.groups[i] is None else twin + hit[1]
             if twin is None or g is None:
-                grads[i] = vis
                 continue
-            if torch.is_grad_enabled():  # create_graph: keep the reduction differentiable
-                red = apply(AllReduce, twin, g)
-                grads[i] = red if vis is None else vis + red
-                continue
+            twins[i] = twin
             pending.setdefault((g, twin.dtype, twin.device), []).append(i)
-            grads[i] = vis
         if pending:
             with untracked():
-                _reduce_buckets(pending, cts, grads, state.bucket_bytes)
+                _reduce_buckets(pending, twins, grads, state.dtypes, state.bucket_bytes)
         return (None, *grads)
 
 
-def _reduce_buckets(pending: dict, cts, grads: list, bucket_bytes: int) -> None:
+def _reduce_buckets(pending: dict, twins: list, grads: list, dtypes: list, bucket_bytes: int) -> None:
     """All-reduce each input's twin gradient in flat buckets; add it into ``grads``."""
     launched = []
     for (g, dtype, _device), idx in pending.items():
@@ -93,28 +169,28 @@ def _reduce_buckets(pending: dict, cts, grads: list, bucket_bytes: int) -> None:
         size = 0
         itemsize = torch.empty((), dtype=dtype).element_size()
         for i in idx:
-            nbytes = cts[2 * i + 1].numel() * itemsize
+            nbytes = twins[i].numel() * itemsize
             if bucket and size + nbytes > bucket_bytes:
-                launched.append(_launch(g, bucket, cts))
+                launched.append(_launch(g, bucket, twins))
                 bucket, size = [], 0
             bucket.append(i)
             size += nbytes
         if bucket:
-            launched.append(_launch(g, bucket, cts))
+            launched.append(_launch(g, bucket, twins))
     for work, flat, bucket in launched:
         if work is not None:
             work.wait()
         offset = 0
         for i in bucket:
-            ct = cts[2 * i + 1]
-            red = flat[offset : offset + ct.numel()].view(ct.shape)
+            ct = twins[i]
+            red = flat[offset : offset + ct.numel()].view(ct.shape).to(dtypes[i])
             offset += ct.numel()
             vis = grads[i]
             grads[i] = red if vis is None else vis + red
 
 
-def _launch(g: AxisGroup, bucket: list[int], cts):
-    flat = torch.cat([cts[2 * i + 1].reshape(-1) for i in bucket])
+def _launch(g: AxisGroup, bucket: list[int], twins: list):
+    flat = torch.cat([twins[i].reshape(-1) for i in bucket])
     _comm._record("all_reduce", g, flat)
     work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
     return work, flat, bucket

@@ -46,6 +46,8 @@ def shard_map(
     out_specs,
     check: bool = True,
     bucket_mb: float | None = DEFAULT_BUCKET_MB,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ):
     """Run ``f`` once per rank on the local blocks of its inputs, as one global function.
 
@@ -67,7 +69,14 @@ def shard_map(
             meet data varying over it (data parallel) are grouped into flat buckets of at most
             this many MiB, launched together once the backward through ``f`` is done, instead
             of one blocking all-reduce per input. ``None`` or ``0``: one per input, as the
-            backward reaches it. Values and gradients are the same either way.
+            backward reaches it. Values and gradients are the same either way. Under
+            `fs.no_sync` the reductions of leaf inputs are deferred to the next call outside it.
+        compute_dtype: mixed precision, as FSDP2's ``param_dtype``: every floating-point input
+            block is cast to this dtype before ``f`` (parameters stay in their own dtype; their
+            gradients come back in it).
+        reduce_dtype: the dtype of the bucketed gradient all-reduces (default: each input's
+            own dtype, e.g. float32 gradients for float32 parameters under a bfloat16
+            ``compute_dtype``).
 
     Returns:
         The global function. A plain tensor argument is the global value (the same on
@@ -87,11 +96,18 @@ def shard_map(
     """
     if f is None:
         return functools.partial(
-            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check=check, bucket_mb=bucket_mb
+            shard_map,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            check=check,
+            bucket_mb=bucket_mb,
+            compute_dtype=compute_dtype,
+            reduce_dtype=reduce_dtype,
         )
     if not isinstance(mesh, Mesh):
         raise ArgumentError(f"fs.shard_map: mesh must be an fs.Mesh, got {type(mesh).__name__}")
-    return _ShardMapped(f, mesh, in_specs, out_specs, check, bucket_mb)
+    return _ShardMapped(f, mesh, in_specs, out_specs, check, bucket_mb, compute_dtype, reduce_dtype)
 
 
 class InKind(enum.Enum):
@@ -139,7 +155,17 @@ class _OutPlan:
 
 
 class _ShardMapped:
-    def __init__(self, f, mesh, in_specs, out_specs, check, bucket_mb=DEFAULT_BUCKET_MB):
+    def __init__(
+        self,
+        f,
+        mesh,
+        in_specs,
+        out_specs,
+        check,
+        bucket_mb=DEFAULT_BUCKET_MB,
+        compute_dtype=None,
+        reduce_dtype=None,
+    ):
         functools.update_wrapper(self, f, updated=())
         self.f = f
         self.mesh = mesh
@@ -151,6 +177,8 @@ class _ShardMapped:
         self._out_plans: collections.OrderedDict = collections.OrderedDict()
         self._tracked = mesh.tracked  # any axis of size > 1: varying-axes tracking on
         self._bucket_mb = bucket_mb or 0.0
+        self._compute_dtype = compute_dtype
+        self._reduce_dtype = reduce_dtype
         self._all_bits = mesh.bits(mesh.axis_names)
         self._out_specs_checked = False
 
@@ -192,7 +220,9 @@ class _ShardMapped:
         versions = [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
-        if self._bucket_mb and self._tracked and torch.is_grad_enabled() and not _functorch_active():
+        if self._compute_dtype is not None or (
+            self._bucket_mb and self._tracked and torch.is_grad_enabled() and not _functorch_active()
+        ):
             self._behind_boundary(local, plans, tr)
         local_args = optree.tree_unflatten(treedef, local)
         with tr:
@@ -344,15 +374,23 @@ class _ShardMapped:
         return plans
 
     def _behind_boundary(self, local, plans, tr) -> None:
-        """Put every differentiable input that may be cast with pvary behind one GradBoundary."""
-        idx = [
-            i
-            for i, (x, p) in enumerate(zip(local, plans))
-            if p.kind is not InKind.PASS and x.requires_grad and p.bits != self._all_bits
-        ]
+        """Put every differentiable input that may be cast with pvary behind one GradBoundary
+        (bucketed reductions), and cast floating inputs to ``compute_dtype``."""
+        use = self._bucket_mb and self._tracked and torch.is_grad_enabled() and not _functorch_active()
+        cast = self._compute_dtype
+        idx = []
+        for i, (x, p) in enumerate(zip(local, plans)):
+            if p.kind is InKind.PASS:
+                continue
+            if use and x.requires_grad and p.bits != self._all_bits:
+                idx.append(i)
+            elif cast is not None and x.is_floating_point() and x.dtype != cast:
+                local[i] = x.to(cast)
+                if p.bits:
+                    _vma.tag(local[i], tr, p.bits)
         if not idx:
             return
-        state = BoundaryState(len(idx), self._bucket_mb)
+        state = BoundaryState([local[i] for i in idx], self._bucket_mb, cast, self._reduce_dtype)
         outs = _apply(GradBoundary, state, *[local[i] for i in idx])
         for k, i in enumerate(idx):
             vis, twin = outs[2 * k], outs[2 * k + 1]

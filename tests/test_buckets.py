@@ -109,3 +109,93 @@ def test_create_graph_keeps_reductions_differentiable():
             torch.testing.assert_close(got[k], g.detach(), msg=k)
         for a, b in zip(hvp, ref_hvp):
             torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# gradient accumulation without reducing every micro-batch
+
+
+def _rank_no_sync(Xs):
+    mesh = fs.Mesh(dp=4)
+    params = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
+
+    def f(p, x):
+        data, reg = _mlp(p, x, 0.01)
+        return fs.pmean(data, "dp") + reg
+
+    step = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) d"), out_specs="")
+    records = []
+    with fs.no_sync():
+        for X in Xs[:-1]:
+            loss = step(params, X)
+            with fs.count_collectives() as bwd:
+                loss.backward()
+            records.append(bwd.records)
+    loss = step(params, Xs[-1])
+    with fs.count_collectives() as bwd:
+        loss.backward()
+    records.append(bwd.records)
+    return {k: p.grad for k, p in params.items()}, records
+
+
+def test_no_sync_accumulates_then_reduces_once():
+    Xs = [
+        torch.randn(16, 6, generator=torch.Generator().manual_seed(10 + i), dtype=torch.float64)
+        for i in range(3)
+    ]
+    p = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
+    total = 0
+    for X in Xs:
+        data, reg = _mlp(p, X, 0.01)
+        total = total + data + reg
+    ref = dict(zip(p, torch.autograd.grad(total, list(p.values()))))
+    nbytes = sum(v.numel() * 8 for v in _params().values())
+    for grads, records in run_ranks(4, _rank_no_sync, Xs):
+        for k in ref:
+            torch.testing.assert_close(grads[k], ref[k], msg=k)
+        assert records == [[], [], [("all_reduce", ("dp",), nbytes)]]
+
+
+# ---------------------------------------------------------------------------------------------
+# mixed precision: bfloat16 compute, float32 parameters and reductions
+
+
+def _rank_mixed(X, reduce_dtype):
+    mesh = fs.Mesh(dp=4)
+    params = {k: v.float().clone().requires_grad_(True) for k, v in _params().items()}
+
+    def f(p, x):
+        assert x.dtype == torch.bfloat16 and all(v.dtype == torch.bfloat16 for v in p.values())
+        data, _ = _mlp(p, x, 0.0)
+        return fs.pmean(data, "dp")
+
+    step = fs.shard_map(
+        f,
+        mesh=mesh,
+        in_specs=("...", "(dp b) d"),
+        out_specs="",
+        compute_dtype=torch.bfloat16,
+        reduce_dtype=reduce_dtype,
+    )
+    loss = step(params, X.float())
+    with fs.count_collectives() as bwd:
+        loss.backward()
+    return loss.detach(), {k: p.grad for k, p in params.items()}, bwd.records
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_mixed_precision_against_one_process_with_the_same_casts(reduce_dtype):
+    X = torch.randn(16, 6, generator=torch.Generator().manual_seed(4))
+    p = {k: v.float().clone().requires_grad_(True) for k, v in _params().items()}
+    # one process, the same casts: parameters and data to bfloat16, gradients back to float32
+    losses = [_mlp({k: v.bfloat16() for k, v in p.items()}, xb.bfloat16(), 0.0)[0] for xb in X.split(4)]
+    ref_loss = sum(losses) / 4
+    ref = dict(zip(p, torch.autograd.grad(ref_loss, list(p.values()))))
+    nbytes = sum(v.numel() for v in _params().values()) * (4 if reduce_dtype == torch.float32 else 2)
+    for loss, grads, records in run_ranks(4, _rank_mixed, X, reduce_dtype):
+        assert loss.dtype == torch.bfloat16
+        torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=2e-2)
+        for k in ref:
+            assert grads[k].dtype == torch.float32
+            torch.testing.assert_close(grads[k], ref[k], rtol=3e-2, atol=3e-2, msg=k)
+        assert records == [("all_reduce", ("dp",), nbytes)]
