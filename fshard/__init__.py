@@ -44,6 +44,7 @@ from ._errors import (
 from ._launch import RankPool, init, launch
 from ._layout import Layout
 from ._mesh import Mesh
+from ._remat import remat
 from ._shard_map import shard_map
 from ._sharded import Sharded, from_dtensor, full, reduce_to, shard
 from ._spec import Spec, parse_spec
@@ -83,6 +84,7 @@ __all__ = [
     "grad",
     "value_and_grad",
     "no_sync",
+    "remat",
     "count_collectives",
     "CollectiveCounts",
     # launching

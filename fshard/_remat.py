@@ -1,0 +1,47 @@
+"""``fs.remat``: recompute a function's intermediates in the backward instead of keeping them.
+
+JAX's ``jax.checkpoint`` for shard_map code, on ``torch.utils.checkpoint`` (non-reentrant). The
+recomputation runs during the backward, after the shard_map call has returned, so it re-enters
+that call's trace: collectives inside the function work, and values keep their varying axes. The
+FSDP use: gather a layer's parameters inside a rematerialized function, so the gathered copy is
+freed after the layer's forward and gathered again in the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.utils.checkpoint
+
+from . import _vma
+
+__all__ = ["remat"]
+
+
+def remat(fn):
+    """Make ``fn`` keep only its inputs for the backward and recompute the rest there.
+
+    Collectives inside ``fn`` run again during the backward (an FSDP layer's all_gather is
+    issued twice: in the forward and in the recomputation), in exchange for not keeping the
+    gathered parameters and the activations of ``fn`` alive between forward and backward.
+
+    Examples:
+        >>> @fs.remat
+        ... def layer(p_shard, h):
+        ...     w = fs.all_gather(p_shard["w"], "dp", dim=0, tiled=True)   # freed after use
+        ...     return torch.tanh(h @ w)
+    """
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        tr = _vma.active()
+
+        def run(*a, **k):
+            if tr is None or _vma.active() is tr:
+                return fn(*a, **k)
+            with tr:  # the recomputation in the backward: re-enter the call's trace
+                return fn(*a, **k)
+
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    return inner
