@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from ._errors import SpecError, did_you_mean, report
-from ._spec import Dim, Spec, parse_spec
+from ._spec import ANONYMOUS, Dim, Spec, parse_spec
 
 __all__ = ["Layout", "bind", "bind_or_raise", "divisibility_problems"]
 
@@ -23,7 +23,8 @@ class Layout:
 
     Attributes:
         dims: per tensor dim, the mesh axes that split it, major first (``()``: not split).
-        labels: per tensor dim, the dim's name in the spec (None under ``...``).
+        labels: per tensor dim, the dim's name in the spec (None under ``...``; ``"_"`` for an
+            anonymous dim, which is tied to no other dim).
         partial: mesh axes over which a shard_map output is an unreduced partial sum
             (``| sum(...)``); ``()`` for stored values.
 
@@ -127,7 +128,8 @@ def bind(
     """Bind ``spec`` to a mesh (as ``((name, size), ...)``) for a tensor of ``ndim`` dims.
 
     Returns ``(layout, problems)``; layout is None when there are problems. Raises
-    SpecError for malformed text (from the parser).
+    SpecError for malformed text (from the parser). Two dims may not share a label, except the
+    anonymous label ``_``, which never ties.
     """
     spec = parse_spec(spec)
     mesh = dict(axis_sizes)
@@ -201,7 +203,7 @@ def bind(
                     else f"mesh axis {a!r} appears twice in {written}"
                 )
             used.setdefault(a, pos)
-        if label is not None:
+        if label is not None and label != ANONYMOUS:
             if label in seen_labels:
                 problems.append(
                     f"label {label!r} names both dim {seen_labels[label]} and dim {pos}; "
@@ -241,7 +243,8 @@ def divisibility_problems(layout: Layout, shape, mesh_shape: dict) -> list[str]:
         n = math.prod(mesh_shape[a] for a in axes)
         if size % n:
             over = " and ".join(f"{a} (size {mesh_shape[a]})" for a in axes)
-            label = f" ({layout.labels[i]})" if layout.labels[i] else ""
+            name = layout.labels[i]
+            label = f" ({name})" if name and name != ANONYMOUS else ""
             out.append(
                 f"dim {i}{label} of size {size} is split over {over}, and {n} does not divide {size}; "
                 f"pad it to {-(-size // n) * n}"

@@ -7,6 +7,12 @@ A spec names every dim of a value in order, like one side of an einops pattern::
     "... d"              any number of unsplit leading dims, then d
     ""                   a scalar (no dims)
     "b n | sum(tp)"      an unreduced partial sum over mesh axis tp
+    "(dp _) _"           anonymous dims: each ``_`` is its own unnamed dim
+
+A label names one logical dim, so the binder and shard_map tie dims that share a label (the
+same global size everywhere in one call). ``_`` is the anonymous label: it never ties, neither
+with another ``_`` nor across specs, and renders back as ``_``. Other names may not start or end
+with ``_`` (einops' rule).
 
 Inside a group the mesh-axis names come first and the dim label last, but this
 module does not know which names are mesh axes: it records the names of each dim
@@ -128,7 +134,9 @@ class Spec:
 def parse_spec(text: str | Spec) -> Spec:
     """Parse a partition spec; a `Spec` passes through unchanged.
 
-    Results for strings are cached, so parsing the same spec again is cheap.
+    Results for strings are cached, so parsing the same spec again is cheap. A dim label
+    names one logical dim (dims that share it must agree in size); ``_`` is the anonymous
+    label, which never ties: ``"(dp _) _"`` splits the first of two unnamed dims over dp.
 
     Args:
         text: the spec text, e.g. ``"(dp b) s (tp d)"`` or ``"b n | sum(tp)"``.
@@ -145,6 +153,8 @@ def parse_spec(text: str | Spec) -> Spec:
         Dim(names=('dp', 'b'), grouped=True, ellipsis=False)
         >>> parse_spec("") == Spec(())
         True
+        >>> str(parse_spec("(dp _)  _"))
+        '(dp _) _'
     """
     if isinstance(text, Spec):
         return text
@@ -160,13 +170,15 @@ def parse_spec(text: str | Spec) -> Spec:
 # Implementation. einops' ParsedExpression reports no columns, accepts things fshard rejects
 # ("1", "3", "()", "(...)", "…") and forgets whether a single name was parenthesized, so a small
 # scanner does the positional work; einops' parser then confirms the dims part is a valid side of
-# an einops pattern, so every accepted spec can be used to build einops patterns.
+# an einops pattern (with "_" allowed, as in einops.pack and einops.einsum), so every accepted spec
+# can be used to build einops patterns once its "_" dims are given names.
 
 _Fail = Callable[[int, str, str], NoReturn]
 _Token = tuple[int, int, str, str]  # (start column, end column, kind, text); kind: name ( ) ...
 
 _NAME_HINT = 'names use letters, digits and "_"; separate them with spaces'
 _SUM_HINT = 'list the mesh axes separated by spaces, e.g. "| sum(dp tp)"'
+ANONYMOUS = "_"  # the anonymous dim label: never tied to another dim
 
 
 @functools.lru_cache(maxsize=4096)
@@ -185,7 +197,7 @@ def _parse_cached(text: str) -> Spec:
     try:
         with warnings.catch_warnings():  # einops warns about some names ("axis"); fshard allows them
             warnings.simplefilter("ignore")
-            ParsedExpression(text[:end], allow_duplicates=True)
+            ParsedExpression(text[:end], allow_underscore=True, allow_duplicates=True)
     except Exception as err:  # the scanner accepted what einops rejects: an fshard bug, still a SpecError
         reason = " ".join(str(err).split())
         fail(0, f"rejected by the einops parser: {reason}", "this is a bug in fshard, please report it")
@@ -239,12 +251,22 @@ def _tokens(text: str, start: int, end: int, fail: _Fail, hint: str) -> Iterator
             fail(i, f'unexpected character "{_show(char)}"', hint)
 
 
-def _check_name(name: str, col: int, fail: _Fail) -> None:
+def _check_name(name: str, col: int, fail: _Fail, *, axis: bool = False) -> None:
+    """Reject a name that is not a valid label or axis name (``axis``: a ``sum(...)`` entry)."""
+    if name == ANONYMOUS:
+        if axis:
+            fail(
+                col,
+                '"_" in "sum(...)"',
+                '"_" is the anonymous dim label, not a mesh axis; name the mesh axes, e.g. "| sum(tp)"',
+            )
+        return
     if name.isdigit():
         fail(
             col,
             f'"{name}" is a number, not a name',
-            'give the dim a name; specs have no anonymous axes like einops\' "1" or "3"',
+            'give the dim a name, or write "_" for an unnamed dim; specs have no numeric axes like '
+            'einops\' "1" or "3"',
         )
     if not name.isidentifier():
         fail(
@@ -259,8 +281,10 @@ def _check_name(name: str, col: int, fail: _Fail) -> None:
         core = name.strip("_")
         if core.isidentifier() and not keyword.iskeyword(core):
             fix = f'names must not start or end with "_" (einops\' rule); e.g. write "{core}"'
-        else:
+        elif axis:
             fix = 'names must not start or end with "_" (einops\' rule); rename it'
+        else:
+            fix = 'names must not start or end with "_" (einops\' rule); rename it, or write "_" for an unnamed dim'
         fail(col, f'"{name}" {where} with "_"', fix)
 
 
@@ -343,7 +367,7 @@ def _parse_partial(text: str, start: int, fail: _Fail) -> tuple[str, ...]:
             break
         if kind != "name":
             fail(col, f'"{value}" inside "sum(...)"', _SUM_HINT)
-        _check_name(value, col, fail)
+        _check_name(value, col, fail, axis=True)
         axes.append(value)
     if not axes:
         fail(

@@ -158,8 +158,8 @@ CASES = {
         lambda m: _sm(_two, m, ("(dp b) n", "(dp b) m"), "(dp b) n", ONES43, (6, 5)),
         "SpecError",
         _head("_two") + "  - dim 'b' has size 4 in args[0] but size 6 in args[1] (spec '(dp b) m', shape "
-        "(6, 5)); a label names one logical dim, so its global size must agree everywhere (rename one of "
-        "them if they differ)",
+        "(6, 5)); a label names one logical dim, so its global size must agree everywhere; rename one of "
+        "them, or write _ for a dim that should not tie",
     ),
     "partial_spec_on_input": (
         lambda m: _sm(_ident, m, "(dp b) n | sum(tp)", "(dp b) n", ONES43),

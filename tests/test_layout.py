@@ -35,14 +35,16 @@ def written_specs(draw):
     """A mesh and a valid spec written from known parts, with the layout it must bind to.
 
     Each mesh axis splits at most one dim (in the order drawn, which is the written order and
-    need not be the mesh's), labels are distinct and not mesh axes, an optional ``...`` stands
-    for unsplit dims, and the ``| sum(...)`` axes split no dim.
+    need not be the mesh's), labels are distinct and not mesh axes except the anonymous ``_``
+    (any number of dims), an optional ``...`` stands for unsplit dims, and the ``| sum(...)`` axes
+    split no dim.
     """
     names = draw(st.lists(st.sampled_from(MESH_AXES), unique=True, max_size=4))
     sizes = draw(st.lists(st.integers(1, 4), min_size=len(names), max_size=len(names)))
     axis_sizes = tuple(zip(names, sizes))
     n_written = draw(st.integers(0, 4))
     labels = draw(st.lists(st.sampled_from(LABELS), unique=True, min_size=n_written, max_size=n_written))
+    labels = [draw(st.sampled_from((label, "_"))) for label in labels]
     handed_out = draw(st.permutations(names))
     owner = [draw(st.integers(-1, n_written - 1)) for _ in handed_out]
     split = [tuple(a for a, o in zip(handed_out, owner) if o == i) for i in range(n_written)]
@@ -139,6 +141,8 @@ BIND_EXAMPLES = [
     ("... (tp d)", DP2_TP2, 3, ((), (), ("tp",)), ("tp",)),
     ("(dp b) ...", DP2_TP2, 1, (("dp",),), ("dp",)),
     ("(dp tp b) n | sum(pp)", (("dp", 2), ("tp", 2), ("pp", 2)), 2, (("dp", "tp"), ()), ("dp", "tp")),
+    ("(dp _) _", DP2, 2, (("dp",), ()), ("dp",)),
+    ("_ (dp _) (tp _)", DP2_TP2, 3, ((), ("dp",), ("tp",)), ("dp", "tp")),
 ]
 
 
@@ -162,6 +166,8 @@ TEXT_EXAMPLES = [
     ("(dp tp b) n | sum(tp)", DP2_TP2, 2, "(dp tp b) n | sum(tp)"),
     ("| sum(dp)", DP2, 0, "| sum(dp)"),
     ("", DP2, 0, ""),
+    ("(dp _)  (_)", DP2, 2, "(dp _) _"),
+    ("_ ... (tp _)", DP2_TP2, 3, "_ d1 (tp _)"),
 ]
 
 
@@ -309,6 +315,32 @@ _NDIMS = "write one name per dim, or '...' for unsplit dims"
             ],
             id="every-problem-at-once",
         ),
+        pytest.param(
+            "(_ dp)",
+            DP2,
+            1,
+            ["in (_ dp) the mesh axes must come before the dim label: write (dp _)"],
+            id="anonymous-label-before-axes",
+        ),
+        pytest.param(
+            "(dp _ _)",
+            DP2,
+            1,
+            [
+                (
+                    "'_' in (dp _ _) is not an axis of Mesh(dp=2); a group lists mesh axes first, then one "
+                    "dim label"
+                )
+            ],
+            id="two-anonymous-labels-in-a-group",
+        ),
+        pytest.param(
+            "(dp _) (dp _)",
+            DP2,
+            2,
+            ["mesh axis 'dp' splits both dim 0 and dim 1; an axis can split one dim only"],
+            id="anonymous-labels-do-not-tie-but-axes-still-split-one-dim",
+        ),
     ],
 )
 def test_bind_problems(spec, axis_sizes, ndim, problems):
@@ -353,8 +385,29 @@ def test_bind_problems(spec, axis_sizes, ndim, problems):
             ],
             id="both-dims",
         ),
+        pytest.param(
+            "(dp _) (tp _)",
+            DP2_TP3,
+            2,
+            (3, 7),
+            [
+                "dim 0 of size 3 is split over dp (size 2), and 2 does not divide 3; pad it to 4",
+                "dim 1 of size 7 is split over tp (size 3), and 3 does not divide 7; pad it to 9",
+            ],
+            id="anonymous-dims-are-not-named",
+        ),
     ],
 )
 def test_divisibility_problems(spec, axis_sizes, ndim, shape, problems):
     layout, _ = bind(spec, axis_sizes, ndim)
     assert divisibility_problems(layout, shape, dict(axis_sizes)) == problems
+
+
+def test_anonymous_label_is_kept_and_never_reported_twice():
+    layout, problems = bind("(dp _) _ _", DP2, 3)
+    assert problems == ()
+    assert layout.labels == ("_", "_", "_")
+    assert str(layout) == "(dp _) _ _"
+    # a named label still may not name two dims, next to anonymous ones
+    _, problems = bind("(dp _) b (tp b) _", DP2_TP2, 4)
+    assert problems == ("label 'b' names both dim 1 and dim 2; give each dim its own name",)

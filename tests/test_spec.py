@@ -66,6 +66,11 @@ VALID = [
     ("sum (tp d)", Spec((N("sum"), G("tp", "d"))), "sum (tp d)"),
     ("axis (sum)", Spec((N("axis"), G("sum"))), "axis (sum)"),
     ("b | sum(sum)", Spec((N("b"),), ("sum",)), "b | sum(sum)"),
+    # "_" is the anonymous label: allowed alone, as a bare dim or a group's label, and repeated
+    ("_", Spec((N("_"),)), "_"),
+    ("(dp _) _", Spec((G("dp", "_"), N("_"))), "(dp _) _"),
+    ("_ ... (tp _)", Spec((N("_"), E, G("tp", "_"))), "_ ... (tp _)"),
+    ("(_)(dp  _)|sum(tp)", Spec((G("_"), G("dp", "_")), ("tp",)), "(_) (dp _) | sum(tp)"),
 ]
 
 
@@ -314,14 +319,16 @@ INVALID = [
         'invalid spec "b 3": "3" is a number, not a name\n'
         "  b 3\n"
         "    ^\n"
-        'fix: give the dim a name; specs have no anonymous axes like einops\' "1" or "3"',
+        'fix: give the dim a name, or write "_" for an unnamed dim; specs have no numeric axes like '
+        'einops\' "1" or "3"',
     ),
     (
         "(1 b)",
         'invalid spec "(1 b)": "1" is a number, not a name\n'
         "  (1 b)\n"
         "   ^\n"
-        'fix: give the dim a name; specs have no anonymous axes like einops\' "1" or "3"',
+        'fix: give the dim a name, or write "_" for an unnamed dim; specs have no numeric axes like '
+        'einops\' "1" or "3"',
     ),
     (
         "b 2d",
@@ -345,10 +352,31 @@ INVALID = [
         'fix: names must not start or end with "_" (einops\' rule); e.g. write "d"',
     ),
     (
-        "b _",
-        'invalid spec "b _": "_" starts with "_"\n'
-        "  b _\n"
+        "b __",
+        'invalid spec "b __": "__" starts with "_"\n'
+        "  b __\n"
         "    ^\n"
+        'fix: names must not start or end with "_" (einops\' rule); rename it, or write "_" for an unnamed dim',
+    ),
+    (
+        "(dp _b)",
+        'invalid spec "(dp _b)": "_b" starts with "_"\n'
+        "  (dp _b)\n"
+        "      ^\n"
+        'fix: names must not start or end with "_" (einops\' rule); e.g. write "b"',
+    ),
+    (
+        "b | sum(_)",
+        'invalid spec "b | sum(_)": "_" in "sum(...)"\n'
+        "  b | sum(_)\n"
+        "          ^\n"
+        'fix: "_" is the anonymous dim label, not a mesh axis; name the mesh axes, e.g. "| sum(tp)"',
+    ),
+    (
+        "b | sum(__)",
+        'invalid spec "b | sum(__)": "__" starts with "_"\n'
+        "  b | sum(__)\n"
+        "          ^\n"
         'fix: names must not start or end with "_" (einops\' rule); rename it',
     ),
     (
@@ -477,15 +505,18 @@ names = st.one_of(
 ).filter(lambda name: not keyword.iskeyword(name))
 
 
+dim_names = st.one_of(names, st.just("_"))  # "_", the anonymous label, is not a mesh axis name
+
+
 @st.composite
 def structured_specs(draw):
     """A valid spec built from parts, plus a rendering of it with random spacing."""
     dims = []
     for _ in range(draw(st.integers(0, 5))):
         if draw(st.booleans()):
-            dims.append(Dim((draw(names),)))
+            dims.append(Dim((draw(dim_names),)))
         else:
-            dims.append(Dim(tuple(draw(st.lists(names, min_size=1, max_size=3))), grouped=True))
+            dims.append(Dim(tuple(draw(st.lists(dim_names, min_size=1, max_size=3))), grouped=True))
     if draw(st.booleans()):
         dims.insert(draw(st.integers(0, len(dims))), Dim((), ellipsis=True))
     partial = tuple(draw(st.lists(names, max_size=3))) if draw(st.booleans()) else ()
@@ -530,6 +561,6 @@ def test_dims_part_agrees_with_einops(case):
     dims_text = " ".join(str(dim) for dim in expected.dims)
     with warnings.catch_warnings():  # einops discourages the name "axis"; fshard allows it
         warnings.simplefilter("ignore")
-        composition = ParsedExpression(dims_text, allow_duplicates=True).composition
+        composition = ParsedExpression(dims_text, allow_underscore=True, allow_duplicates=True).composition
     ours = ["\u2026" if dim.ellipsis else list(dim.names) for dim in parse_spec(dims_text).dims]
     assert composition == ours
