@@ -48,6 +48,13 @@ class Layout:
         """Whether any dim is split."""
         return bool(self.split_axes)
 
+    def __hash__(self) -> int:  # cached: layouts are part of shard_map's per-call plan key
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dims, self.labels, self.partial))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def same_placement(self, other: Layout) -> bool:
         """Same splits and partial sums (labels may differ)."""
         return self.dims == other.dims and self.partial == other.partial

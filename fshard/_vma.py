@@ -177,13 +177,11 @@ class VmaMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
         tid = tr.id
-        if kwargs is None:
-            kwargs = {}
         kind = _KIND.get(func)
         if kind is None:
             kind = _KIND[func] = _classify(func)
         if kind is not _PLAIN and kind is not _INPLACE:
-            return kind(func, tr, args, kwargs)
+            return kind(func, tr, args, kwargs or {})
         # Union of the operands' masks, noting whether they differ (hot path: keep it flat).
         union = 0
         first = -1
@@ -192,12 +190,18 @@ class VmaMode(TorchFunctionMode):
             for a in seq:
                 if isinstance(a, _Tensor):
                     t = getattr(a, _ATTR, None)
-                    v = t[1] if t is not None and t[0] == tid else get(a, tr)
+                    if t is not None and t[0] == tid:
+                        v = t[1]
+                    else:  # untagged or stale: invariant, unless a torch.func wrapper hides a tag
+                        v = get(_unwrap(a), tr) if _is_wrapped(a) else 0
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
                         if isinstance(b, _Tensor):
                             t = getattr(b, _ATTR, None)
-                            v = t[1] if t is not None and t[0] == tid else get(b, tr)
+                            if t is not None and t[0] == tid:
+                                v = t[1]
+                            else:
+                                v = get(_unwrap(b), tr) if _is_wrapped(b) else 0
                         elif type(b) in _CARRIERS:
                             v = _scan(b, tid)
                             if not v:
@@ -229,9 +233,12 @@ class VmaMode(TorchFunctionMode):
                 args = _cast_args(args, tr, union)
             if kwargs:
                 kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)
         if union:  # also covers `p.grad`: a gradient varies like its primal
-            _tag_out(out, tr, union)
+            if isinstance(out, _Tensor):
+                setattr(out, _ATTR, (tid, union))
+            else:
+                _tag_out(out, tr, union)
             if kind is _INPLACE and args and isinstance(args[0], _Tensor):
                 setattr(args[0], _ATTR, (tid, union))
         return out
