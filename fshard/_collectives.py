@@ -17,12 +17,19 @@ pbroadcast             varying -> invariant            cotangent kept on the sou
 pmax / pmin            varying -> invariant            to the ranks holding the extremum,
                                                        split evenly among ties
 =====================  ==============================  ===================================
+
+Every collective also takes a pytree of tensors (dicts, lists, tuples, ...) and returns the
+same tree. ``psum``, ``pmean``, ``all_gather`` and ``psum_scatter`` coalesce it: the leaves
+of one dtype (and, for psum, the same varying axes) move in one collective, forward and
+backward; the others apply to each leaf.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -31,15 +38,20 @@ from ._comm import untracked
 from ._errors import CollectiveError
 from ._primitives import (
     AllGather,
+    AllGatherCoalesced,
     AllGatherInvariant,
     AllReduce,
+    AllReduceCoalesced,
     AllToAll,
     Broadcast,
     Extremum,
     PPermute,
     ReduceScatter,
+    ReduceScatterCoalesced,
 )
 from ._primitives import apply as _apply
+
+_T = TypeVar("_T")  # a tensor, or a pytree of tensors: the result has the same structure
 
 __all__ = [
     "psum",
@@ -63,9 +75,45 @@ __all__ = [
 def _prologue(x, axis, where: str):
     tr = _vma.current(where)
     if not isinstance(x, torch.Tensor):
-        raise CollectiveError(f"fs.{where} expects a torch.Tensor, got {type(x).__name__}")
+        raise CollectiveError(
+            f"fs.{where} expects a torch.Tensor or a pytree of tensors, got {type(x).__name__}"
+        )
     g = tr.mesh.axis_group(axis, where)
     return tr, g, tr.mesh.bits(g.names), _vma.get(x, tr)
+
+
+def _tree_prologue(tree, axis, where: str):
+    """The trace, axis group, axis bits, tensor leaves and treedef of a pytree operand."""
+    tr = _vma.current(where)
+    g = tr.mesh.axis_group(axis, where)
+    leaves, treedef = optree.tree_flatten(tree)
+    if treedef.num_leaves == 1 and treedef.num_nodes == 1:  # a bare non-tensor value
+        raise CollectiveError(
+            f"fs.{where} expects a torch.Tensor or a pytree of tensors, got {type(tree).__name__}"
+        )
+    if not all(isinstance(x, torch.Tensor) for x in leaves):
+        accessors, _, _ = optree.tree_flatten_with_accessor(tree)
+        i = next(i for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor))
+        raise CollectiveError(
+            f"fs.{where} expects a torch.Tensor or a pytree of tensors, got {type(leaves[i]).__name__} "
+            f"at {accessors[i].codify('x')}"
+        )
+    return tr, g, tr.mesh.bits(g.names), leaves, treedef
+
+
+def _tree_map(fn, tree, axis, where: str):
+    """``fn`` applied to each leaf of a pytree of tensors (the collectives that do not coalesce)."""
+    _, _, _, leaves, treedef = _tree_prologue(tree, axis, where)
+    return optree.tree_unflatten(treedef, [fn(x) for x in leaves])
+
+
+def _by_dtype(leaves, idx, key=lambda x: None) -> dict:
+    """Leaf indices ``idx`` grouped by (key, dtype, device), in first-seen order (the same on every rank)."""
+    groups: dict = {}
+    for i in idx:
+        x = leaves[i]
+        groups.setdefault((key(x), x.dtype, x.device), []).append(i)
+    return groups
 
 
 def _norm_dim(dim: int, ndim: int, where: str, what: str = "dim") -> int:
@@ -92,7 +140,7 @@ def _mul_untracked(x, k):
         return x * k
 
 
-def psum(x: torch.Tensor, axis) -> torch.Tensor:
+def psum(x: _T, axis) -> _T:
     """Sum ``x`` over mesh axis ``axis`` (a name or a tuple of names).
 
     The result is invariant over ``axis``. A value already invariant over ``axis`` is
@@ -103,7 +151,14 @@ def psum(x: torch.Tensor, axis) -> torch.Tensor:
         >>> @fs.shard_map(mesh=mesh, in_specs=("b (tp k)", "(tp k) n"), out_specs="b n")
         ... def matmul(a, b):
         ...     return fs.psum(a @ b, "tp")
+
+    ``x`` may be a pytree of tensors: the leaves of one dtype go in one all-reduce.
+
+    Examples:
+        >>> grads = fs.psum({"w": gw, "b": gb}, "dp")   # one all-reduce for both
     """
+    if not isinstance(x, torch.Tensor):
+        return _psum_tree(x, axis, "psum")
     tr, g, bits, v = _prologue(x, axis, "psum")
     vary = bits & v
     y = x
@@ -115,12 +170,37 @@ def psum(x: torch.Tensor, axis) -> torch.Tensor:
     return _vma.tag(y, tr, v & ~bits) if y is not x else y
 
 
-def pmean(x: torch.Tensor, axis) -> torch.Tensor:
+def _psum_tree(tree, axis, where: str):
+    tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, where)
+    vs = [_vma.get(x, tr) for x in leaves]
+    out = list(leaves)
+    varying = [i for i, v in enumerate(vs) if v & bits]
+    for (vary, _, _), idx in _by_dtype(leaves, varying, lambda x: bits & _vma.get(x, tr)).items():
+        ga = tr.mesh.axis_group(tr.mesh.names_of(vary), where)
+        if len(idx) == 1:
+            ys = (_apply(AllReduce, leaves[idx[0]], ga),)
+        else:
+            ys = _apply(AllReduceCoalesced, ga, *[leaves[i] for i in idx])
+        for i, y in zip(idx, ys):
+            out[i] = y
+    for i, v in enumerate(vs):
+        inv = bits & ~v
+        if inv:
+            out[i] = _mul_untracked(out[i], math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)))
+        if out[i] is not leaves[i]:
+            _vma.tag(out[i], tr, v & ~bits)
+    return optree.tree_unflatten(treedef, out)
+
+
+def pmean(x: _T, axis) -> _T:
     """Mean of ``x`` over mesh axis ``axis``: ``psum(x, axis) / axis_size(axis)``.
 
     Examples:
         >>> loss = fs.pmean(local_loss, "dp")
+        >>> metrics = fs.pmean({"loss": loss, "acc": acc}, "dp")   # one all-reduce
     """
+    if not isinstance(x, torch.Tensor):
+        return _pmean_tree(x, axis)
     _, g, _, _ = _prologue(x, axis, "pmean")
     y = psum(x, axis)
     if g.size == 1:
@@ -128,6 +208,15 @@ def pmean(x: torch.Tensor, axis) -> torch.Tensor:
     tr = _vma.current("pmean")
     v = _vma.get(y, tr)
     return _vma.tag(_mul_untracked(y, 1.0 / g.size), tr, v)
+
+
+def _pmean_tree(tree, axis):
+    summed = _psum_tree(tree, axis, "pmean")
+    tr = _vma.current("pmean")
+    n = tr.mesh.axis_group(axis, "pmean").size
+    if n == 1:
+        return summed
+    return optree.tree_map(lambda y: _vma.tag(_mul_untracked(y, 1.0 / n), tr, _vma.get(y, tr)), summed)
 
 
 def _extremum(x, axis, op, where):
@@ -139,7 +228,7 @@ def _extremum(x, axis, op, where):
     return _vma.tag(y, tr, v & ~bits)
 
 
-def pmax(x: torch.Tensor, axis) -> torch.Tensor:
+def pmax(x: _T, axis) -> _T:
     """Elementwise maximum over ``axis``; invariant over ``axis``.
 
     Gradient: the cotangent goes to the ranks whose value equals the maximum, split evenly
@@ -149,19 +238,23 @@ def pmax(x: torch.Tensor, axis) -> torch.Tensor:
     Examples:
         >>> m = fs.pmax(scores.amax(-1), "tp")
     """
+    if not isinstance(x, torch.Tensor):
+        return _tree_map(lambda t: pmax(t, axis), x, axis, "pmax")
     return _extremum(x, axis, dist.ReduceOp.MAX, "pmax")
 
 
-def pmin(x: torch.Tensor, axis) -> torch.Tensor:
+def pmin(x: _T, axis) -> _T:
     """Elementwise minimum over ``axis``; invariant over ``axis``. Gradient as `pmax`.
 
     Examples:
         >>> lo = fs.pmin(x.amin(), "dp")
     """
+    if not isinstance(x, torch.Tensor):
+        return _tree_map(lambda t: pmin(t, axis), x, axis, "pmin")
     return _extremum(x, axis, dist.ReduceOp.MIN, "pmin")
 
 
-def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False, *, invariant: bool = False):
+def all_gather(x: _T, axis, dim: int = 0, tiled: bool = False, *, invariant: bool = False) -> _T:
     """Gather the blocks of ``x`` from every index along ``axis``.
 
     With ``tiled=False`` the blocks are stacked in a new dimension ``dim``; with
@@ -174,7 +267,15 @@ def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False, *, inva
 
     Examples:
         >>> w = fs.all_gather(w_shard, "dp", dim=0, tiled=True)   # FSDP parameter
+
+    ``x`` may be a pytree of tensors, gathered along the same ``dim`` each: the leaves of one
+    dtype go in one all-gather (and their gradients in one reduce-scatter).
+
+    Examples:
+        >>> layer = fs.all_gather({"w": w_shard, "b": b_shard}, "dp", tiled=True)
     """
+    if not isinstance(x, torch.Tensor):
+        return _all_gather_tree(x, axis, dim, tiled, invariant)
     tr, g, bits, v = _prologue(x, axis, "all_gather")
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
@@ -186,7 +287,35 @@ def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False, *, inva
     return y
 
 
-def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False) -> torch.Tensor:
+def _all_gather_tree(tree, axis, dim, tiled, invariant):
+    tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, "all_gather")
+    accessors = optree.tree_flatten_with_accessor(tree)[0]
+    dims = [
+        _norm_dim(dim, x.dim() if tiled else x.dim() + 1, f"all_gather at {acc.codify('x')}")
+        for x, acc in zip(leaves, accessors)
+    ]
+    vs = [_vma.get(x, tr) for x in leaves]
+    xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]
+    out = list(xs)
+    for _, idx in _by_dtype(xs, range(len(xs))).items():
+        if len(idx) == 1:
+            i = idx[0]
+            ys = (_apply(AllGatherInvariant if invariant else AllGather, xs[i], g, dims[i], tiled),)
+        else:
+            sub = tuple(dims[i] for i in idx)
+            ys = _apply(AllGatherCoalesced, g, sub, tiled, invariant, *[xs[i] for i in idx])
+        for i, y in zip(idx, ys):
+            out[i] = y
+    for y, v in zip(out, vs):
+        if invariant:
+            _vma.tag(y, tr, v & ~bits)
+        else:
+            _vma.tag(y, tr, v | bits)
+            y._fshard_gathered = g.names
+    return optree.tree_unflatten(treedef, out)
+
+
+def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False) -> _T:
     """Sum ``x`` over ``axis`` and keep this rank's block along ``dim`` (a reduce-scatter).
 
     With ``tiled=False`` dimension ``dim`` must have the axis size and is removed; with
@@ -195,21 +324,57 @@ def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = False) -> to
 
     Examples:
         >>> y_block = fs.psum_scatter(partial_y, "tp", dim=0, tiled=True)
+
+    ``x`` may be a pytree of tensors, each scattered along ``dim``: the leaves of one dtype
+    go in one reduce-scatter (and their gradients in one all-gather).
+
+    Examples:
+        >>> g_shards = fs.psum_scatter(grads, "dp", tiled=True)   # ZeRO-style gradient shards
     """
+    if not isinstance(x, torch.Tensor):
+        return _psum_scatter_tree(x, axis, dim, tiled)
     tr, g, bits, v = _prologue(x, axis, "psum_scatter")
-    dim = _norm_dim(dim, x.dim(), "psum_scatter")
-    if tiled:
-        _check_divisible(x, dim, g.size, "psum_scatter")
-    elif x.shape[dim] != g.size:
-        raise CollectiveError(
-            f"fs.psum_scatter: with tiled=False dim {dim} must have the axis size {g.size}, "
-            f"but x has shape {tuple(x.shape)}; pass tiled=True to split it into {g.size} blocks"
-        )
+    dim = _check_scatter(x, g, dim, tiled, "psum_scatter")
     x = _vary(x, tr, v, bits)
     return _vma.tag(_apply(ReduceScatter, x, g, dim, tiled), tr, v | bits)
 
 
-def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int) -> torch.Tensor:
+def _check_scatter(x, g, dim, tiled, where) -> int:
+    dim = _norm_dim(dim, x.dim(), where)
+    if tiled:
+        _check_divisible(x, dim, g.size, where)
+    elif x.shape[dim] != g.size:
+        raise CollectiveError(
+            f"fs.{where}: with tiled=False dim {dim} must have the axis size {g.size}, "
+            f"but x has shape {tuple(x.shape)}; pass tiled=True to split it into {g.size} blocks"
+        )
+    return dim
+
+
+def _psum_scatter_tree(tree, axis, dim, tiled):
+    tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, "psum_scatter")
+    accessors = optree.tree_flatten_with_accessor(tree)[0]
+    dims = [
+        _check_scatter(x, g, dim, tiled, f"psum_scatter at {acc.codify('x')}")
+        for x, acc in zip(leaves, accessors)
+    ]
+    vs = [_vma.get(x, tr) for x in leaves]
+    xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]
+    out = list(xs)
+    for _, idx in _by_dtype(xs, range(len(xs))).items():
+        if len(idx) == 1:
+            i = idx[0]
+            ys = (_apply(ReduceScatter, xs[i], g, dims[i], tiled),)
+        else:
+            ys = _apply(ReduceScatterCoalesced, g, tuple(dims[i] for i in idx), tiled, *[xs[i] for i in idx])
+        for i, y in zip(idx, ys):
+            out[i] = y
+    for y, v in zip(out, vs):
+        _vma.tag(y, tr, v | bits)
+    return optree.tree_unflatten(treedef, out)
+
+
+def all_to_all(x: _T, axis, split_dim: int, concat_dim: int) -> _T:
     """Cut ``split_dim`` into axis-size blocks, send block j to index j, concatenate along ``concat_dim``.
 
     ``split_dim`` shrinks by the axis size and ``concat_dim`` grows by it. The gradient is
@@ -219,6 +384,8 @@ def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int) -> torch.
         >>> # sequence parallel -> head parallel: (b, s/n, h, d) -> (b, s, h/n, d)
         >>> q = fs.all_to_all(q, "sp", split_dim=2, concat_dim=1)
     """
+    if not isinstance(x, torch.Tensor):
+        return _tree_map(lambda t: all_to_all(t, axis, split_dim, concat_dim), x, axis, "all_to_all")
     tr, g, bits, v = _prologue(x, axis, "all_to_all")
     split_dim = _norm_dim(split_dim, x.dim(), "all_to_all", "split_dim")
     concat_dim = _norm_dim(concat_dim, x.dim(), "all_to_all", "concat_dim")
@@ -227,16 +394,21 @@ def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int) -> torch.
     return _vma.tag(_apply(AllToAll, x, g, split_dim, concat_dim), tr, v | bits)
 
 
-def ppermute(x: torch.Tensor, axis, perm) -> torch.Tensor:
+def ppermute(x: _T, axis, perm) -> _T:
     """Send ``x`` along ``axis`` by ``perm``, a list of ``(source index, destination index)`` pairs.
 
-    An index that no pair sends to receives zeros. The gradient is the ppermute with the
-    pairs reversed.
+    An index that no pair sends to receives zeros. Only the ranks in ``perm`` communicate,
+    point to point (one send and one receive at most per rank): a single pair is one send and
+    one receive, and a rank that no pair involves does not communicate. The gradient is the
+    ppermute with the pairs reversed. ``x`` may be a pytree of tensors (one ppermute per leaf).
 
     Examples:
         >>> n = fs.axis_size("pp")
         >>> nxt = fs.ppermute(h, "pp", [(i, (i + 1) % n) for i in range(n)])
+        >>> h1 = fs.ppermute(h0, "pp", [(0, 1)])   # stage 0 -> stage 1 only
     """
+    if not isinstance(x, torch.Tensor):
+        return _tree_map(lambda t: ppermute(t, axis, perm), x, axis, "ppermute")
     tr, g, bits, v = _prologue(x, axis, "ppermute")
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
@@ -260,7 +432,7 @@ def ppermute(x: torch.Tensor, axis, perm) -> torch.Tensor:
     return _vma.tag(_apply(PPermute, x, g, pairs), tr, v | bits)
 
 
-def pbroadcast(x: torch.Tensor, axis, src: int = 0) -> torch.Tensor:
+def pbroadcast(x: _T, axis, src: int = 0) -> _T:
     """Every index along ``axis`` gets the value of index ``src``; the result is invariant over ``axis``.
 
     Gradient: the cotangent stays on the source index; other indices get zeros.
@@ -268,6 +440,8 @@ def pbroadcast(x: torch.Tensor, axis, src: int = 0) -> torch.Tensor:
     Examples:
         >>> w = fs.pbroadcast(w, "dp", src=0)
     """
+    if not isinstance(x, torch.Tensor):
+        return _tree_map(lambda t: pbroadcast(t, axis, src), x, axis, "pbroadcast")
     tr, g, bits, v = _prologue(x, axis, "pbroadcast")
     if not isinstance(src, int) or not 0 <= src < g.size:
         raise CollectiveError(
@@ -278,7 +452,7 @@ def pbroadcast(x: torch.Tensor, axis, src: int = 0) -> torch.Tensor:
     return _vma.tag(_apply(Broadcast, x, g, src), tr, v & ~bits)
 
 
-def pvary(x: torch.Tensor, axis) -> torch.Tensor:
+def pvary(x: _T, axis) -> _T:
     """Mark an invariant ``x`` as varying over ``axis`` (identity; gradient is a ``psum``).
 
     shard_map inserts this implicitly wherever an invariant value meets a varying one;
@@ -287,6 +461,8 @@ def pvary(x: torch.Tensor, axis) -> torch.Tensor:
     Examples:
         >>> w_v = fs.pvary(w, "dp")
     """
+    if not isinstance(x, torch.Tensor):
+        return _tree_map(lambda t: pvary(t, axis), x, axis, "pvary")
     tr, g, bits, v = _prologue(x, axis, "pvary")
     if not bits & ~v:
         return x

@@ -26,8 +26,11 @@ class CollectiveCounts:
     """What `count_collectives` saw: one ``(kind, axes, nbytes)`` record per call.
 
     ``kind`` is one of ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
-    ``ppermute``, ``broadcast``, ``scatter``; ``axes`` is the tuple of mesh axes;
-    ``nbytes`` is the size of the tensor each rank hands to the collective.
+    ``ppermute``, ``broadcast``, ``scatter``, ``gather``, ``reduce``; ``axes`` is the tuple of
+    mesh axes; ``nbytes`` is the size of the tensor each rank hands to the collective. A
+    ``ppermute`` is point-to-point: a rank records the bytes it sends (0 if it only receives),
+    and a rank that no pair involves issues nothing and records nothing. ``gather`` and
+    ``reduce`` (results on one rank) are recorded only by the ranks that take part.
     """
 
     records: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
@@ -83,6 +86,30 @@ def _record(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
             r.records.append(item)
 
 
+_profiling = torch.autograd._profiler_enabled
+_NO_SPAN = contextlib.nullcontext()
+
+
+def _span(kind: str, names: tuple[str, ...], nbytes: int):
+    """A ``torch.profiler`` range ``fshard.{kind}[{axes}] {nbytes}B`` around one collective.
+
+    Only while a profiler is recording; otherwise a shared no-op context (one C call), so the
+    collectives cost nothing extra when nobody profiles.
+    """
+    if not _profiling():
+        return _NO_SPAN
+    return torch.profiler.record_function(f"fshard.{kind}[{','.join(names)}] {nbytes}B")
+
+
+def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
+    """Record one collective of ``t`` over ``g`` and return its profiler range (see `_span`)."""
+    _record(kind, g, t)
+    if not _profiling():
+        return _NO_SPAN
+    label = f"fshard.{kind}[{','.join(g.names)}] {t.numel() * t.element_size()}B"
+    return torch.profiler.record_function(label)
+
+
 untracked = torch._C.DisableTorchFunction
 """``with untracked():`` runs tensor ops unseen by shard_map's varying-axes tracking mode
 (the one spelling of "disable torch function" in fshard)."""
@@ -111,8 +138,8 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Ten
     with untracked():
         out = t.clone(memory_format=torch.contiguous_format)
         if g.size > 1:
-            _record("all_reduce", g, out)
-            dist.all_reduce(out, op=op, group=g.group)
+            with _issue("all_reduce", g, out):
+                dist.all_reduce(out, op=op, group=g.group)
         return out
 
 
@@ -123,8 +150,8 @@ def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         if g.size == 1:
             return t.unsqueeze(0)
         out = torch.empty(g.size * t.numel(), dtype=t.dtype, device=t.device)
-        _record("all_gather", g, t)
-        _all_gather_flat(out, t.reshape(-1), group=g.group)
+        with _issue("all_gather", g, t):
+            _all_gather_flat(out, t.reshape(-1), group=g.group)
         return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
 
 
@@ -135,8 +162,8 @@ def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
             return t[0].clone()
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         out = torch.empty(t[0].numel(), dtype=t.dtype, device=t.device)
-        _record("reduce_scatter", g, t)
-        _reduce_scatter_flat(out, t.reshape(-1), group=g.group)
+        with _issue("reduce_scatter", g, t):
+            _reduce_scatter_flat(out, t.reshape(-1), group=g.group)
         return out.view(t.shape[1:])
 
 
@@ -147,39 +174,41 @@ def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
             return t.clone()
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         out = torch.empty_like(t)
-        _record("all_to_all", g, t)
-        dist.all_to_all_single(out, t, group=g.group)
+        with _issue("all_to_all", g, t):
+            dist.all_to_all_single(out, t, group=g.group)
         return _to_blocks_order(out, g, inverse=True)
 
 
 def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """Send ``t`` from source index to destination index for each pair; others get zeros.
 
-    Implemented as one ``all_to_all_single`` with zero-sized splits for non-pairs, which
-    gloo and NCCL both support.
+    Point-to-point: only the ranks in ``perm`` communicate, with one ``batch_isend_irecv`` of
+    this rank's send and receive (a rank is at most one source and one destination). A rank
+    that no pair involves returns zeros without communicating; a pair ``(i, i)`` is a local
+    copy. With NCCL, as torch documents for ``batch_isend_irecv``, the first operation on a
+    process group must involve all of its ranks; an earlier collective over the axis (any
+    fshard collective) satisfies that.
     """
     with untracked():
         me = g.index
-        send_to = [d for s, d in perm if s == me]
-        recv_from = [s for s, d in perm if d == me]
-        if g.size == 1:
-            return t.clone() if recv_from else torch.zeros_like(t)
-        flat = t.contiguous().reshape(-1)
-        n = flat.numel()
-        in_splits = [0] * g.size
-        out_splits = [0] * g.size
-        order = g.order or range(g.size)
-        for d in send_to:
-            in_splits[order[d]] = n
-        for s in recv_from:
-            out_splits[order[s]] = n
-        out = torch.empty(sum(out_splits), dtype=t.dtype, device=t.device)
-        send = flat if send_to else flat[:0]
-        _record("ppermute", g, send)
-        dist.all_to_all_single(out, send, out_splits, in_splits, group=g.group)
-        if not recv_from:
-            return torch.zeros_like(t)
-        return out.reshape(t.shape)
+        send_to = [d for s, d in perm if s == me and d != me]
+        recv_from = [s for s, d in perm if d == me and s != me]
+        local = any(s == d == me for s, d in perm)
+        if not send_to and not recv_from:
+            if g.size > 1:
+                g.group  # noqa: B018  (a group made on first use is made by every rank: collective)
+            return t.clone(memory_format=torch.contiguous_format) if local else torch.zeros_like(t)
+        group = g.group
+        flat = t.contiguous()
+        ops = [dist.P2POp(dist.isend, flat, g.global_ranks[d], group) for d in send_to]  # type: ignore[arg-type]
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device) if recv_from else flat
+        ops += [dist.P2POp(dist.irecv, out, g.global_ranks[s], group) for s in recv_from]  # type: ignore[arg-type]
+        with _issue("ppermute", g, flat if send_to else flat.reshape(-1)[:0]):
+            works = dist.batch_isend_irecv(ops)
+            result = out if recv_from else torch.zeros_like(t)  # a sender's zeros: made while sending
+            for work in works:
+                work.wait()
+        return result
 
 
 def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
@@ -187,9 +216,47 @@ def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
     with untracked():
         out = t.clone(memory_format=torch.contiguous_format)
         if g.size > 1:
-            _record("broadcast", g, out)
-            dist.broadcast(out, src=g.global_ranks[src], group=g.group)  # type: ignore[arg-type]
+            with _issue("broadcast", g, out):
+                dist.broadcast(out, src=g.global_ranks[src], group=g.group)  # type: ignore[arg-type]
         return out
+
+
+def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
+    """In-place all-reduce of a contiguous buffer the caller owns (a packed pytree, say)."""
+    with untracked():
+        if g.size > 1:
+            with _issue("all_reduce", g, t):
+                dist.all_reduce(t, op=op, group=g.group)
+
+
+def gather_blocks(t: torch.Tensor, g: AxisGroup, dst: int) -> torch.Tensor | None:
+    """Gather ``t`` from every index along the axes onto index ``dst`` (one ``dist.gather``).
+
+    Returns ``[size, *t.shape]`` (row i from index i) on ``dst`` and None elsewhere.
+    """
+    with untracked():
+        t = t.contiguous()
+        if g.size == 1:
+            return t.unsqueeze(0).clone()
+        out = torch.empty(g.size, *t.shape, dtype=t.dtype, device=t.device) if g.index == dst else None
+        rows = list(out.unbind(0)) if out is not None else None
+        with _issue("gather", g, t):
+            dist.gather(t, rows, dst=g.global_ranks[dst], group=g.group)  # type: ignore[arg-type]
+        if out is None:
+            return None
+        return _to_blocks_order(out, g, inverse=True)
+
+
+def reduce_(t: torch.Tensor, g: AxisGroup, dst: int) -> None:
+    """Sum the contiguous buffer ``t`` (owned by the caller) over the axes onto index ``dst``.
+
+    In place (one ``dist.reduce``): afterwards ``t`` holds the sum on ``dst``; elsewhere its
+    contents are unspecified.
+    """
+    with untracked():
+        if g.size > 1:
+            with _issue("reduce", g, t):
+                dist.reduce(t, dst=g.global_ranks[dst], group=g.group)  # type: ignore[arg-type]
 
 
 def broadcast_object(objs: list, src: int) -> None:
@@ -198,12 +265,15 @@ def broadcast_object(objs: list, src: int) -> None:
         if _recorders:
             for r in _recorders:
                 r.records.append(("broadcast", ("world",), 0))
-        dist.broadcast_object_list(objs, src=src)
+        with _span("broadcast", ("world",), 0):
+            dist.broadcast_object_list(objs, src=src)
 
 
 def scatter(out: torch.Tensor, blocks: list | None, src: int) -> None:
     """``dist.scatter`` over the world (one block per global rank), counted."""
+    nbytes = out.numel() * out.element_size()
     if _recorders:
         for r in _recorders:
-            r.records.append(("scatter", ("world",), out.numel() * out.element_size()))
-    dist.scatter(out, blocks, src=src)
+            r.records.append(("scatter", ("world",), nbytes))
+    with _span("scatter", ("world",), nbytes):
+        dist.scatter(out, blocks, src=src)

@@ -19,7 +19,14 @@ PPermute               point-to-point pairs            PPermute with the pairs r
 Broadcast              broadcast from one index        cotangent kept on the source only
 Extremum               all-reduce max / min            to the ranks holding the extremum,
                                                        split evenly among ties
+AllReduceCoalesced     one all-reduce of n tensors     Pvary of each: no communication
+AllGatherCoalesced     one all-gather of n tensors     ReduceScatterCoalesced (or the local
+                                                       slices, for an invariant result)
+ReduceScatterCoalesced one reduce-scatter of n         AllGatherCoalesced
 =====================  ==============================  ===================================
+
+The coalesced Functions serve the pytree forms of the collectives: n tensors of one dtype are
+packed into one flat buffer, moved with one collective and unpacked.
 
 Every Function has a separate ``setup_context``, so ``loss.backward()``,
 ``torch.autograd.grad``, ``torch.func.grad`` and ``torch.func.vjp`` all pass through. Outputs
@@ -48,6 +55,9 @@ __all__ = [
     "PPermute",
     "Broadcast",
     "Extremum",
+    "AllReduceCoalesced",
+    "AllGatherCoalesced",
+    "ReduceScatterCoalesced",
     "gather_dim",
     "scatter_dim",
     "local_block",
@@ -322,3 +332,104 @@ class Extremum(torch.autograd.Function):
         hit = (x == y).to(ct.dtype)
         ties = _comm.all_reduce(hit, ctx.g)
         return ct * hit / ties, None, None
+
+
+# -- coalesced forms: n tensors of one dtype, one collective --------------------------------
+
+
+def _pack(xs) -> torch.Tensor:
+    """The tensors ``xs`` (one dtype) flattened into one new contiguous buffer."""
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+class AllReduceCoalesced(torch.autograd.Function):
+    """psum of n tensors with one all-reduce; the transpose is pvary of each (no communication)."""
+
+    @staticmethod
+    @_untracked
+    def forward(g, *xs):
+        buf = _pack(xs)
+        _comm.all_reduce_(buf, g)
+        return tuple(_owned(p.view(x.shape)) for p, x in zip(buf.split([x.numel() for x in xs]), xs))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *cts):
+        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+            return (None, *(apply(Pvary, ct, ctx.g) for ct in cts))
+        return (None, *cts)
+
+
+def _gather_many(xs, g: AxisGroup, dims, tiled: bool):
+    """``gather_dim`` of each of ``xs`` (one dtype) along its ``dims`` entry, with one all-gather."""
+    blocks = _comm.all_gather_blocks(_pack(xs), g)  # [N, total]; row i from index i
+    out = []
+    offset = 0
+    for x, dim in zip(xs, dims):
+        n = x.numel()
+        piece = blocks[:, offset : offset + n].reshape(g.size, *x.shape).movedim(0, dim)
+        offset += n
+        if tiled:
+            shape = list(x.shape)
+            shape[dim] *= g.size
+            piece = piece.reshape(shape)
+        out.append(_owned(piece))
+    return tuple(out)
+
+
+def _scatter_many(xs, g: AxisGroup, dims, tiled: bool):
+    """``scatter_dim`` of each of ``xs`` (one dtype) along its ``dims`` entry, with one reduce-scatter."""
+    parts = [_split_blocks(x, g.size, dim, tiled) for x, dim in zip(xs, dims)]  # [N, *block] each
+    buf = torch.cat([p.reshape(g.size, -1) for p in parts], dim=1)  # [N, total]
+    mine = _comm.reduce_scatter_blocks(buf, g)  # [total]
+    sizes = [p[0].numel() for p in parts]
+    return tuple(_owned(m.view(p.shape[1:])) for m, p in zip(mine.split(sizes), parts))
+
+
+class AllGatherCoalesced(torch.autograd.Function):
+    """all_gather of n tensors with one all-gather; ``dims`` has one (normalized) dim per tensor.
+
+    The transpose is one coalesced reduce-scatter, or, for an ``invariant`` result, each
+    tensor's local slice (no communication), as for `AllGather` and `AllGatherInvariant`.
+    """
+
+    @staticmethod
+    @_untracked
+    def forward(g, dims, tiled, invariant, *xs):
+        return _gather_many(xs, g, dims, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[:4]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, *cts):
+        g, dims, tiled, invariant = ctx.args
+        if invariant:
+            grads = tuple(local_block(ct, g, dim, tiled) for ct, dim in zip(cts, dims))
+        else:
+            grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
+        return (None, None, None, None, *grads)
+
+
+class ReduceScatterCoalesced(torch.autograd.Function):
+    """psum_scatter of n tensors with one reduce-scatter; the transpose is `AllGatherCoalesced`."""
+
+    @staticmethod
+    @_untracked
+    def forward(g, dims, tiled, *xs):
+        return _scatter_many(xs, g, dims, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[:3]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, *cts):
+        g, dims, tiled = ctx.args
+        return (None, None, None, *apply(AllGatherCoalesced, g, dims, tiled, False, *cts))

@@ -1,18 +1,25 @@
-"""Global values that live split across ranks: `Sharded`, `shard`, DTensor interop."""
+"""Global values that live split across ranks: `Sharded`, `shard`, DTensor interop, and
+results on one rank (`Sharded.full` with ``dst``, `full` over pytrees, `reduce_to`)."""
 
 from __future__ import annotations
 
+import pickle
+from dataclasses import dataclass
+from typing import overload
+
+import optree
 import torch
 import torch.distributed as dist
 
-from . import _comm
-from ._errors import ArgumentError, MeshError, SpecError, report
+from . import _comm, _vma
+from ._errors import ArgumentError, CollectiveError, MeshError, SpecError, report
 from ._layout import Layout, bind_or_raise, divisibility_problems
 from ._mesh import Mesh
 from ._primitives import AllGatherInvariant, AllToAll, LocalSlice
 from ._primitives import apply as _apply
+from ._spec import Spec
 
-__all__ = ["Sharded", "shard", "from_dtensor"]
+__all__ = ["Sharded", "shard", "from_dtensor", "full", "reduce_to"]
 
 
 class Sharded:
@@ -46,6 +53,36 @@ class Sharded:
         )
         if check and mesh.size > 1:
             _check_blocks(local, mesh, self.layout)
+
+    @classmethod
+    def from_local(cls, local: torch.Tensor, mesh: Mesh, spec) -> Sharded:
+        """A Sharded value from the block each rank loaded itself (per-rank data loading).
+
+        Each rank passes its own block: for a batch split over ``dp``, the rows its
+        ``DistributedSampler`` (or any per-rank loader) gave it. ``spec`` describes the global
+        value, so a block of shape ``(32, 128)`` with spec ``"(dp b) d"`` on ``dp=4`` is the
+        block of a ``(128, 128)`` global value, block ``i`` held by the rank at ``dp`` index
+        ``i``. Nothing is copied or sent but one small all-gather that checks that every rank's
+        block has the same shape (an uneven last batch raises here, on every rank, instead of
+        failing later in a collective).
+
+        Args:
+            local: this rank's block.
+            mesh: the mesh.
+            spec: the layout of the global value, e.g. ``"(dp b) d"``.
+
+        Raises:
+            SpecError: when the blocks differ in shape across ranks, or the spec does not fit.
+
+        Examples:
+            >>> sampler = DistributedSampler(dataset, num_replicas=mesh.axis_size("dp"),
+            ...                              rank=mesh.axis_index("dp"), drop_last=True)
+            >>> for xb, yb in DataLoader(dataset, batch_size=32, sampler=sampler, drop_last=True):
+            ...     x = fs.Sharded.from_local(xb, mesh, "(dp b) d")   # global batch: 32 * dp rows
+            ...     y = fs.Sharded.from_local(yb, mesh, "(dp b)")
+            ...     loss = step(params, x, y)
+        """
+        return cls(local, mesh, spec, check=True)
 
     @classmethod
     def _wrap(cls, local: torch.Tensor, mesh: Mesh, layout: Layout) -> Sharded:
@@ -106,11 +143,33 @@ class Sharded:
 
     # -- moving data ------------------------------------------------------------------------
 
-    def full(self) -> torch.Tensor:
-        """Gather the global value as a plain tensor on every rank (one all_gather per split dim).
+    @overload
+    def full(self) -> torch.Tensor: ...
+    @overload
+    def full(self, dst: int | None) -> torch.Tensor | None: ...
 
-        Differentiable: the gradient of the result flows back to this rank's block.
+    def full(self, dst: int | None = None) -> torch.Tensor | None:
+        """The global value as a plain tensor: on every rank, or only on rank ``dst``.
+
+        Without ``dst``, every rank gets it (one all-gather per split dim); differentiable:
+        the gradient of the result flows back to this rank's block. With ``dst=r`` (a global
+        rank), only rank ``r`` gets it and every other rank gets None: one ``dist.gather`` of
+        the blocks to ``r``, over the axes that split the value (ranks holding copies of
+        ``r``'s blocks send nothing). Not differentiable (a detached result): for logging,
+        evaluation and saving. Every rank of the mesh must call it, as for any collective.
+
+        Args:
+            dst: the global rank that receives the value, or None for every rank.
+
+        Raises:
+            ArgumentError: when ``dst`` is not a rank of the mesh.
+
+        Examples:
+            >>> w = fs.shard(torch.arange(8.0), mesh, "(dp n)")
+            >>> full_w = w.full(dst=0)        # the tensor on rank 0, None on the others
         """
+        if dst is not None:
+            return _gather_to(self, _check_dst(self.mesh, dst, "Sharded.full"))
         x = self.local
         for d, axes in enumerate(self.layout.dims):
             if axes:
@@ -180,6 +239,154 @@ def _check_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout) -> None:
     )
 
 
+def _check_dst(mesh: Mesh, dst, where: str) -> int:
+    """``dst`` as a global rank of ``mesh``, or an ArgumentError naming the ranks."""
+    ranks = mesh.ranks
+    if isinstance(dst, int) and not isinstance(dst, bool) and dst in ranks:
+        return dst
+    contiguous = list(ranks) == list(range(ranks[0], ranks[0] + len(ranks)))
+    which = f"in [{ranks[0]}, {ranks[0] + len(ranks)})" if contiguous else f"in {list(ranks)}"
+    raise ArgumentError(f"{where}: dst={dst!r} must be a global rank of {mesh!r}, {which}")
+
+
+def _dst_group(mesh: Mesh, axes: tuple[str, ...], dst: int):
+    """The group over ``axes`` (mesh order, size > 1) that holds rank ``dst``, for a result on ``dst``.
+
+    Returns ``(group, index of dst along it, dst's coordinate)``, with group None when this rank
+    is not in it (it holds the same position as dst on other axes only if it is). Touches the
+    group on every rank first: a group made on first use is made by every rank of the world.
+    """
+    g = mesh.axis_group(axes) if axes else None
+    if g is not None and g.size > 1:
+        g.group  # noqa: B018  (collective when the group is made on first use)
+    coord = _coord_of(mesh, dst)
+    mine = mesh.coordinate
+    if any(mine[a] != coord[a] for a in mesh.axis_names if a not in axes):
+        return None, 0, coord
+    index = 0
+    for a in axes:
+        index = index * mesh.shape[a] + coord[a]
+    return g, index, coord
+
+
+def _gather_to(x: Sharded, dst: int) -> torch.Tensor | None:
+    """``x.full(dst=dst)``: one gather over the axes that split ``x``, to ``dst``."""
+    mesh, layout = x.mesh, x.layout
+    axes = tuple(a for a in mesh.axis_names if a in layout.split_axes and mesh.shape[a] > 1)
+    local = x.local.detach()
+    if not axes:
+        return local.clone() if _my_rank(mesh) == dst else None
+    g, index, coord = _dst_group(mesh, axes, dst)
+    if g is None:
+        return None
+    blocks = _comm.gather_blocks(local, g, index)  # [N, *block] on dst, row i from index i
+    if blocks is None:
+        return None
+    out = torch.empty(x.shape, dtype=local.dtype, device=local.device)
+    for i in range(g.size):
+        c, rem = dict(coord), i
+        for a in reversed(axes):
+            c[a] = rem % mesh.shape[a]
+            rem //= mesh.shape[a]
+        _block(out, layout, mesh, c).copy_(blocks[i])
+    return out
+
+
+def _my_rank(mesh: Mesh) -> int:
+    coord = mesh.coordinate
+    flat = 0
+    for a in mesh.axis_names:
+        flat = flat * mesh.shape[a] + coord[a]
+    return mesh.ranks[flat]
+
+
+def full(tree, dst: int | None = None):
+    """Every `Sharded` leaf of a pytree as its global value; other leaves as they are.
+
+    The pytree form of `Sharded.full`: without ``dst`` every rank gets the tree
+    (differentiable); with ``dst=r``, rank ``r`` gets it and every other rank gets None (one
+    gather per Sharded leaf, not differentiable).
+
+    Args:
+        tree: a pytree whose leaves may be `Sharded` values (or one Sharded value).
+        dst: the global rank that receives the values, or None for every rank.
+
+    Examples:
+        >>> params = fs.shard(init_params, mesh, {"w": "(tp h) d", "b": "..."})
+        >>> state = fs.full(params, dst=0)      # a dict of plain tensors on rank 0, None elsewhere
+        >>> if state is not None:
+        ...     torch.save(state, "params.pt")
+    """
+    leaves, treedef = optree.tree_flatten(tree)
+    if dst is None:
+        return optree.tree_unflatten(treedef, [x.full() if isinstance(x, Sharded) else x for x in leaves])
+    meshes = [x.mesh for x in leaves if isinstance(x, Sharded)]
+    if not meshes:  # nothing to gather
+        return tree if (dist.get_rank() if dist.is_initialized() else 0) == dst else None
+    _check_dst(meshes[0], dst, "fs.full")
+    out = [x.full(dst) if isinstance(x, Sharded) else x for x in leaves]
+    return optree.tree_unflatten(treedef, out) if _my_rank(meshes[0]) == dst else None
+
+
+def reduce_to(x, mesh: Mesh, dst: int = 0, *, axis=None):
+    """Sum per-rank tensors onto one rank: the sum on rank ``dst``, None on every other rank.
+
+    For values each rank computed on its own, outside `shard_map` (a loss, metric counts,
+    statistics) that only one rank needs, e.g. for logging: one ``dist.reduce``, cheaper than
+    an all-reduce. Inside `shard_map`, use `psum` (every rank gets the sum).
+
+    With ``axis`` (a mesh axis name or a tuple of names), only the ranks that share ``dst``'s
+    position on the other axes are summed (the ranks along ``axis`` through ``dst``); the other
+    ranks send nothing. Without it, every rank of the mesh is summed.
+
+    ``x`` may be a pytree of tensors (a dict of metrics, say): the leaves of one dtype are summed
+    in one reduce. Every rank summed must pass the same structure, shapes and dtypes. The result
+    is not differentiable.
+
+    Args:
+        x: a tensor, or a pytree of tensors.
+        mesh: the mesh whose ranks hold the values.
+        dst: the global rank that receives the sum.
+        axis: the mesh axes to sum over (default: all of them).
+
+    Raises:
+        ArgumentError: when ``dst`` is not a rank of the mesh or ``x`` holds something other than tensors.
+        CollectiveError: for an unknown axis, or when called inside `shard_map`.
+
+    Examples:
+        >>> total = fs.reduce_to({"loss": loss_sum, "n": n_tokens}, mesh, dst=0)
+        >>> if total is not None:
+        ...     print(total["loss"] / total["n"])
+        >>> s = fs.reduce_to(local_count, mesh, dst=0, axis="dp")   # over dp only (tp holds copies)
+    """
+    if _vma.active() is not None:
+        raise CollectiveError(
+            "fs.reduce_to sums per-rank tensors outside fs.shard_map; inside it, use fs.psum(x, axis) "
+            "(every rank gets the sum) and return the result"
+        )
+    leaves, treedef, _ = _tensor_tree(x, "fs.reduce_to")
+    dst = _check_dst(mesh, dst, "fs.reduce_to")
+    names = mesh.check_axes(axis, "reduce_to") if axis is not None else mesh.axis_names
+    axes = tuple(a for a in mesh.axis_names if a in names and mesh.shape[a] > 1)
+    g, index, _ = _dst_group(mesh, axes, dst)
+    if g is None and axes:
+        return None
+    with torch.no_grad(), _comm.untracked():
+        out: list = [None] * len(leaves)
+        groups: dict = {}
+        for i, t in enumerate(leaves):
+            groups.setdefault((t.dtype, t.device), []).append(i)
+        for idx in groups.values():
+            buf = torch.cat([leaves[i].reshape(-1) for i in idx])
+            if g is not None:
+                _comm.reduce_(buf, g, index)
+            for i, part in zip(idx, buf.split([leaves[i].numel() for i in idx])):
+                out[i] = part.view(leaves[i].shape)
+    if _my_rank(mesh) != dst:
+        return None
+    return optree.tree_unflatten(treedef, out)
+
+
 def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout) -> torch.Tensor:
     """Move local block ``x`` from layout ``a`` to layout ``b`` (differentiable)."""
     if a.dims == b.dims:
@@ -206,57 +413,194 @@ def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout) -> torch.Tensor:
     return x
 
 
-def shard(x: torch.Tensor | None, mesh: Mesh, spec, *, src: int | None = None) -> Sharded:
-    """Split a global tensor into a `Sharded` value.
+def shard(x, mesh: Mesh, spec, *, src: int | None = None):
+    """Split a global tensor, or a pytree of them, into `Sharded` values.
 
     Without ``src``, every rank passes the same global tensor and keeps its own block
     (a copy, so the global tensor can be freed; no communication). With ``src=r``, only
     rank ``r`` needs the tensor (others may pass None): it scatters the blocks.
 
+    ``x`` may be a pytree of tensors (a dict of parameters, say); the result is the same tree
+    of Sharded values. ``spec`` is then one spec for every leaf or a prefix tree of specs, as
+    ``in_specs`` is for `shard_map`: one spec per leaf, or one for a whole subtree (None
+    means ``"..."``: replicated). With ``src``, the other ranks learn the tree's structure,
+    shapes and dtypes from rank ``r`` (one broadcast), then one scatter per leaf.
+
     Args:
-        x: the global tensor.
+        x: the global tensor, or a pytree of tensors.
         mesh: the mesh.
-        spec: the layout, e.g. ``"(dp b) (tp d)"``.
+        spec: the layout, e.g. ``"(dp b) (tp d)"``, or a prefix tree of layouts.
         src: the global rank holding the data, or None.
 
     Raises:
-        SpecError: for a spec that does not fit the tensor or the mesh.
+        SpecError: for a spec that does not fit the tensor or the mesh, or a spec tree that
+            does not match the structure of ``x``.
 
     Examples:
         >>> w = fs.shard(torch.randn(1024, 256), mesh, "(tp h) d")
         >>> w = fs.shard(data if rank == 0 else None, mesh, "(dp b) d", src=0)
+        >>> params = fs.shard({"w1": w1, "b1": b1, "w2": w2}, mesh,
+        ...                   {"w1": "d (tp h)", "b1": "(tp h)", "w2": "(tp h) d"})
+        >>> layers = fs.shard([w_a, w_b, w_c], mesh, "(tp h) d")     # one spec for all
     """
     if src is None:
-        if not isinstance(x, torch.Tensor):
-            raise ArgumentError(f"fs.shard expects a torch.Tensor, got {type(x).__name__}")
-        layout = bind_or_raise(spec, mesh, x.shape, "fs.shard")
-        local = _block(x, layout, mesh, mesh.coordinate)
-        return Sharded._wrap(local.clone() if local is not x else local, mesh, layout)
+        if isinstance(x, torch.Tensor):
+            return _shard_one(x, mesh, spec, "fs.shard")
+        leaves, treedef, paths = _tensor_tree(x, "fs.shard")
+        specs = _spec_leaves(spec, x, len(leaves), "fs.shard")
+        done = _each(lambda i: _shard_one(leaves[i], mesh, specs[i], f"fs.shard at {paths[i]}"), len(leaves))
+        return optree.tree_unflatten(treedef, done)
     # scatter from one rank
     if not dist.is_initialized():
         return shard(x, mesh, spec)
     meta: list = [None]
     if dist.get_rank() == src:
-        if isinstance(x, torch.Tensor):
-            meta = [(tuple(x.shape), x.dtype)]
-        else:  # tell every rank, so all of them raise instead of waiting in the scatter
-            meta = [f"fs.shard(src={src}) needs a tensor on rank {src}, got {type(x).__name__}"]
-    _comm.broadcast_object(meta, src)
+        meta = [_src_meta(x, src)]
+    _comm.broadcast_object(meta, src)  # every rank raises the same error instead of waiting in a scatter
     if isinstance(meta[0], str):
         raise ArgumentError(meta[0])
-    shape, dtype = meta[0]
-    layout = bind_or_raise(spec, mesh, shape, "fs.shard")
-    local_shape = layout.local_shape(shape, mesh.shape)
-    out = torch.empty(local_shape, dtype=dtype, device=mesh.device)
+    if isinstance(meta[0], _Leaf):
+        return _scatter_one(x, meta[0], mesh, spec, src, "fs.shard")
+    metas, treedef = optree.tree_flatten(meta[0])
+    specs = _spec_leaves(spec, meta[0], len(metas), "fs.shard")
+    paths = [a.codify("x") for a in optree.tree_flatten_with_accessor(meta[0])[0]]
+    xs = optree.tree_leaves(x) if dist.get_rank() == src else [None] * len(metas)
+    layouts = _each(
+        lambda i: bind_or_raise(specs[i], mesh, metas[i].shape, f"fs.shard at {paths[i]}"), len(metas)
+    )
+    out = [_scatter_one(xs[i], metas[i], mesh, layouts[i], src, "fs.shard") for i in range(len(metas))]
+    return optree.tree_unflatten(treedef, out)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """What the other ranks learn of one tensor of ``fs.shard(src=r)``: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _src_meta(x, src: int):
+    """On the source rank: a `_Leaf`, a tree of them, or the error every rank will raise."""
+    if isinstance(x, torch.Tensor):
+        return _Leaf(tuple(x.shape), x.dtype)
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(x)
+    bad = [i for i, t in enumerate(leaves) if not isinstance(t, torch.Tensor)]
+    if len(bad) == len(leaves):  # None, or no tensor at all
+        return f"fs.shard(src={src}) needs a tensor on rank {src}, got {type(x).__name__}"
+    if bad:
+        return (
+            f"fs.shard(src={src}) needs a tensor or a pytree of tensors on rank {src}, got "
+            f"{type(leaves[bad[0]]).__name__} at {accessors[bad[0]].codify('x')}"
+        )
+    tree = optree.tree_map(lambda t: _Leaf(tuple(t.shape), t.dtype), x)
+    try:
+        pickle.dumps(tree)
+    except Exception as e:  # a custom pytree node the other ranks cannot rebuild
+        return (
+            f"fs.shard(src={src}): the pytree on rank {src} cannot be sent to the other ranks "
+            f"({type(e).__name__}: {e}); use dicts, lists and tuples, or one fs.shard call per tensor"
+        )
+    return tree
+
+
+def _shard_one(x: torch.Tensor, mesh: Mesh, spec, where: str) -> Sharded:
+    layout = bind_or_raise(spec, mesh, x.shape, where)
+    local = _block(x, layout, mesh, mesh.coordinate)
+    return Sharded._wrap(local.clone() if local is not x else local, mesh, layout)
+
+
+def _scatter_one(x, meta: _Leaf, mesh: Mesh, spec, src: int, where: str) -> Sharded:
+    """One tensor of ``fs.shard(src=r)``: rank ``r`` scatters the blocks of ``x``."""
+    layout = bind_or_raise(spec, mesh, meta.shape, where)
+    out = torch.empty(layout.local_shape(meta.shape, mesh.shape), dtype=meta.dtype, device=mesh.device)
     blocks = None
     if dist.get_rank() == src:
-        assert isinstance(x, torch.Tensor)  # checked above, on every rank
+        assert isinstance(x, torch.Tensor)  # checked on rank src, and told to every rank
         blocks = [
             _block(x, layout, mesh, _coord_of(mesh, r)).contiguous().to(mesh.device)
             for r in range(dist.get_world_size())
         ]
     _comm.scatter(out, blocks, src)
     return Sharded._wrap(out, mesh, layout)
+
+
+def _tensor_tree(x, where: str):
+    """Leaves, treedef and key paths of a pytree of tensors, or an ArgumentError naming the culprit."""
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(x)
+    bad = [i for i, t in enumerate(leaves) if not isinstance(t, torch.Tensor)]
+    if bad and len(bad) == len(leaves):  # a bare value, or no tensor at all
+        raise ArgumentError(f"{where} expects a torch.Tensor, got {type(x).__name__}")
+    if bad:
+        raise ArgumentError(
+            f"{where} expects a torch.Tensor or a pytree of tensors, got {type(leaves[bad[0]]).__name__} "
+            f"at {accessors[bad[0]].codify('x')}"
+        )
+    return leaves, treedef, [a.codify("x") for a in accessors]
+
+
+def _spec_leaves(spec, tree, n: int, where: str) -> list:
+    """One spec per leaf of ``tree`` from a spec or a prefix tree of specs (None: ``"..."``)."""
+    if spec is None:
+        spec = "..."
+    if isinstance(spec, (str, Spec, Layout)):
+        return [spec] * n
+    spec = optree.tree_map(lambda s: "..." if s is None else s, spec, none_is_leaf=True)
+    spec_leaves, spec_def = optree.tree_flatten(spec, is_leaf=lambda s: isinstance(s, (str, Spec, Layout)))
+    index_tree = optree.tree_unflatten(spec_def, list(range(len(spec_leaves))))
+    try:
+        which = optree.broadcast_prefix(index_tree, tree)
+    except ValueError:
+        why = _mismatch(spec, tree, "spec", "x") or "the spec tree is not a prefix of the structure of x"
+        raise SpecError(
+            f"{where}: the spec tree does not match the structure of x: {why}\n"
+            f"fix: give one spec per leaf, or one spec for a whole subtree"
+        ) from None
+    return [spec_leaves[k] for k in which]
+
+
+def _describe(x) -> str:
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)}"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if isinstance(x, (torch.Tensor, _Leaf)):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def _mismatch(spec, tree, spath: str, tpath: str) -> str | None:
+    """The first place where a spec prefix tree and a value tree part ways, in words."""
+    if isinstance(spec, (str, Spec, Layout)):
+        return None
+    if isinstance(spec, dict):
+        if not isinstance(tree, dict):
+            return f"{spath} is {_describe(spec)} but {tpath} is {_describe(tree)}"
+        if set(spec) != set(tree):
+            return f"{spath} has keys {sorted(map(str, spec))} but {tpath} has keys {sorted(map(str, tree))}"
+        pairs = [(spec[k], tree[k], f"{spath}[{k!r}]", f"{tpath}[{k!r}]") for k in spec]
+    elif isinstance(spec, (list, tuple)):
+        if type(tree) is not type(spec):
+            return f"{spath} is {_describe(spec)} but {tpath} is {_describe(tree)}"
+        if len(spec) != len(tree):
+            return f"{spath} has {len(spec)} entries but {tpath} has {len(tree)}"
+        pairs = [(a, b, f"{spath}[{i}]", f"{tpath}[{i}]") for i, (a, b) in enumerate(zip(spec, tree))]
+    else:
+        return None
+    return next((m for m in (_mismatch(*p) for p in pairs) if m), None)
+
+
+def _each(fn, n: int) -> list:
+    """``[fn(0), ..., fn(n - 1)]``, raising one SpecError with every leaf's problems."""
+    out, errors = [], []
+    for i in range(n):
+        try:
+            out.append(fn(i))
+        except SpecError as e:
+            errors.append(str(e))
+    if errors:
+        raise SpecError("\n".join(errors))
+    return out
 
 
 def _block(x: torch.Tensor, layout: Layout, mesh: Mesh, coord: dict) -> torch.Tensor:

@@ -245,6 +245,7 @@ def _variants(n):
         ("ppermute", {"perm": ring}, (2, 3), False),
         ("ppermute", {"perm": partial}, (2, 3), False),
         ("ppermute", {"perm": [(s, d) for d, s in ring]}, (2, 3), False),  # the reverse ring
+        ("ppermute", {"perm": [(n - 1, 0)]}, (2, 3), False),  # a single pair (point to point)
         ("pbroadcast", {"src": 0}, (2, 3), False),
         ("pbroadcast", {"src": n - 1}, (2, 3), False),
         ("pvary", {}, (2, 3), True),
@@ -630,7 +631,7 @@ def test_collective_errors_inside_shard_map():
         "bad_axis_type": "fs.psum: axis must be a mesh axis name or a tuple of names, got 3; "
         "mesh axes are ('dp', 'tp')",
         "axis_index_unknown": "fs.axis_index: 'pd' is not an axis of Mesh(dp=2, tp=2) (did you mean 'dp'?)",
-        "not_tensor": "fs.psum expects a torch.Tensor, got float",
+        "not_tensor": "fs.psum expects a torch.Tensor or a pytree of tensors, got float",
         "scatter_nondiv": "fs.psum_scatter: dim 1 of shape (2, 3) has size 3, which the axis size 2 does "
         "not divide; pad it to 4",
         "scatter_untiled": "fs.psum_scatter: with tiled=False dim 1 must have the axis size 2, but x has "
