@@ -7,6 +7,7 @@ import functools
 import optree
 import torch
 
+from . import _buckets, _vma
 from ._errors import FshardError
 from ._sharded import Sharded
 
@@ -16,6 +17,7 @@ __all__ = ["value_and_grad", "grad"]
 def _prepare(tree):
     leaves, treedef = optree.tree_flatten(tree)
     prim, new = [], []
+    tr = _vma.active()
     for x in leaves:
         if isinstance(x, Sharded):
             t = x.local.detach().requires_grad_(True)
@@ -23,11 +25,21 @@ def _prepare(tree):
             new.append(Sharded._wrap(t, x.mesh, x.layout))
         elif isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
             t = x.detach().requires_grad_(True)
+            if tr is not None:
+                _vma.tag(t, tr, _vma.get(x, tr))
             prim.append(t)
             new.append(t)
         else:
             prim.append(None)
             new.append(x)
+    if tr is not None and tr.bucket_mb:
+        # inside shard_map: the gradient reductions of these tensors go in buckets (_buckets)
+        idx = [i for i, x in enumerate(new) if isinstance(x, torch.Tensor) and prim[i] is x]
+        masks = [_vma.get(new[i], tr) for i in idx]
+        all_bits = tr.mesh.bits(tr.mesh.axis_names)
+        vis = _buckets.wrap([new[i] for i in idx], masks, tr, all_bits, tr.bucket_mb)
+        for i, v in zip(idx, vis):
+            new[i] = v
     return leaves, treedef, prim, optree.tree_unflatten(treedef, new)
 
 

@@ -30,7 +30,7 @@ from ._comm import untracked
 from ._mesh import AxisGroup
 from ._primitives import AllReduce, apply
 
-__all__ = ["GradBoundary", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync"]
+__all__ = ["GradBoundary", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync", "wrap"]
 
 DEFAULT_BUCKET_MB = 25.0
 """Bucket size for gradient all-reduces, as DDP's default."""
@@ -194,3 +194,40 @@ def _launch(g: AxisGroup, bucket: list[int], twins: list):
     _comm._record("all_reduce", g, flat)
     work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
     return work, flat, bucket
+
+
+def wrap(
+    xs: list, masks: list[int], tr, all_bits: int, bucket_mb: float, cast=None, reduce_dtype=None
+) -> list:
+    """Put the tensors of ``xs`` (varying over ``masks``) that need a gradient and may meet more
+    varying data behind one GradBoundary of trace ``tr``; cast floating ones to ``cast``.
+
+    Returns the tensors for ``f`` (visible outputs, tagged like their inputs). Without
+    ``bucket_mb`` (or under torch.func, or without grad) only the casts apply.
+    """
+    from ._primitives import _functorch_active
+    from ._vma import tag
+
+    use = bucket_mb and torch.is_grad_enabled() and not _functorch_active()
+    out = list(xs)
+    idx = []
+    for i, (x, m) in enumerate(zip(xs, masks)):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if use and x.requires_grad and m != all_bits:
+            idx.append(i)
+        elif cast is not None and x.is_floating_point() and x.dtype != cast:
+            out[i] = x.to(cast)
+            if m:
+                tag(out[i], tr, m)
+    if not idx:
+        return out
+    state = BoundaryState([xs[i] for i in idx], bucket_mb, cast, reduce_dtype)
+    got = apply(GradBoundary, state, *[xs[i] for i in idx])
+    for k, i in enumerate(idx):
+        vis, twin = got[2 * k], got[2 * k + 1]
+        if masks[i]:
+            tag(vis, tr, masks[i])
+        out[i] = vis
+        tr.twins[id(vis)] = (vis, twin, k, state)
+    return out

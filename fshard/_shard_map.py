@@ -15,8 +15,8 @@ import functools
 import optree
 import torch
 
-from . import _debug, _vma
-from ._buckets import DEFAULT_BUCKET_MB, BoundaryState, GradBoundary
+from . import _buckets, _debug, _vma
+from ._buckets import DEFAULT_BUCKET_MB
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
 from ._layout import Layout, bind, divisibility_problems
 from ._mesh import Mesh
@@ -219,6 +219,7 @@ class _ShardMapped:
             _debug.check_inputs(self.name, mesh, leaves, plans)
         versions = [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
+        tr.bucket_mb = self._bucket_mb if self._tracked else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
         if self._compute_dtype is not None or (
             self._bucket_mb and self._tracked and torch.is_grad_enabled() and not _functorch_active()
@@ -374,31 +375,15 @@ class _ShardMapped:
         return plans
 
     def _behind_boundary(self, local, plans, tr) -> None:
-        """Put every differentiable input that may be cast with pvary behind one GradBoundary
-        (bucketed reductions), and cast floating inputs to ``compute_dtype``."""
-        use = self._bucket_mb and self._tracked and torch.is_grad_enabled() and not _functorch_active()
-        cast = self._compute_dtype
-        idx = []
-        for i, (x, p) in enumerate(zip(local, plans)):
-            if p.kind is InKind.PASS:
-                continue
-            if use and x.requires_grad and p.bits != self._all_bits:
-                idx.append(i)
-            elif cast is not None and x.is_floating_point() and x.dtype != cast:
-                local[i] = x.to(cast)
-                if p.bits:
-                    _vma.tag(local[i], tr, p.bits)
-        if not idx:
-            return
-        state = BoundaryState([local[i] for i in idx], self._bucket_mb, cast, self._reduce_dtype)
-        outs = _apply(GradBoundary, state, *[local[i] for i in idx])
-        for k, i in enumerate(idx):
-            vis, twin = outs[2 * k], outs[2 * k + 1]
-            if plans[i].bits:
-                _vma.tag(vis, tr, plans[i].bits)
-            local[i] = vis
-            tr.twins[id(vis)] = (vis, twin, k)
-        tr.boundary = state
+        """Bucketed gradient reductions and ``compute_dtype`` casts for the inputs (_buckets.wrap)."""
+        masks = [p.bits if p.kind is not InKind.PASS else 0 for p in plans]
+        xs = [x if p.kind is not InKind.PASS else None for x, p in zip(local, plans)]
+        got = _buckets.wrap(
+            xs, masks, tr, self._all_bits, tr.bucket_mb, self._compute_dtype, self._reduce_dtype
+        )
+        for i, p in enumerate(plans):
+            if p.kind is not InKind.PASS:
+                local[i] = got[i]
 
     # == error checking =====================================================================
 

@@ -15,7 +15,6 @@ data-parallel data still gets exactly one gradient reduction.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -23,9 +22,6 @@ from torch.overrides import TorchFunctionMode
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
 from ._primitives import Pvary, apply
-
-if TYPE_CHECKING:
-    from ._buckets import BoundaryState
 
 _ATTR = "_fshard_vma"
 _Tensor = torch.Tensor
@@ -43,7 +39,7 @@ class Trace:
     keep nothing alive after the call.
     """
 
-    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "boundary")
+    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "bucket_mb")
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh
@@ -51,9 +47,9 @@ class Trace:
         self.pvary_cache: dict = {}
         self.id = next(_ids)
         self._mode: VmaMode | None = None
-        # id(visible input) -> (visible, twin, index) for inputs behind a GradBoundary (_buckets)
+        # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
-        self.boundary: BoundaryState | None = None  # of this call, when there is one (_buckets)
+        self.bucket_mb = 0.0  # the shard_map's bucket size (for value_and_grad inside f)
 
     def __enter__(self) -> Trace:
         _stack.append(self)
@@ -121,10 +117,9 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         return hit[1]
     g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
     twin = tr.twins.get(id(x)) if tr.twins else None
-    groups = tr.boundary.groups if tr.boundary is not None else None
-    if twin is not None and groups is not None and twin[0] is x and groups[twin[2]] in (None, g):
-        # an input behind the GradBoundary: its twin is the cast, reduced there in buckets
-        groups[twin[2]] = g
+    if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
+        # a tensor behind a GradBoundary: its twin is the cast, reduced there in buckets
+        twin[3].groups[twin[2]] = g
         out = twin[1]
     else:
         out = apply(Pvary, x, g)

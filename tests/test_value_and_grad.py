@@ -136,7 +136,7 @@ def _value_and_grad_inside():
     ref_loss, ref_grads, ref_gx = _vg_reference(x, y)
     e = 8
     fwd = [("all_reduce", ("tp",), 2 * 4 * e), ("all_reduce", ("dp",), e)]
-    per_param = [("all_reduce", ("dp",), n * e) for n in (8, 2, 8, 4)]
+    per_param = [("all_reduce", ("dp",), sum((8, 2, 8, 4)) * e)]  # the parameters' gradients: one bucket
     x_grad = [("all_reduce", ("tp",), 2 * 4 * e)]
     # value_and_grad (params and x), then fs.grad (params only)
     check_counts(errs, "inside", counts, expected_counts(mesh, 2 * fwd + 2 * per_param + x_grad))

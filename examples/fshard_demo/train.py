@@ -158,7 +158,7 @@ def _start_or_resume(args, state, metrics, mesh_text, show):
                     f"starting from scratch: removing old checkpoints in {ckpt_dir} (--resume continues them)"
                 )
             for name in os.listdir(ckpt_dir):
-                if name.startswith(("step_", ".tmp_step_")):
+                if name.startswith(("step_", ".tmp_step_", ".old_step_")):
                     shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
         return state, 0, metrics
     latest = checkpoint.latest_step(ckpt_dir)
