@@ -44,6 +44,7 @@ from ._errors import (
 from ._launch import RankPool, init, launch
 from ._layout import Layout
 from ._mesh import Mesh
+from ._modules import check_buffers, sync_buffers
 from ._remat import remat
 from ._shard_map import shard_map
 from ._sharded import Sharded, from_dtensor, full, reduce_to, shard
@@ -91,6 +92,9 @@ __all__ = [
     "init",
     "launch",
     "RankPool",
+    # nn.Module buffers
+    "sync_buffers",
+    "check_buffers",
     # submodules
     "checkpoint",
     "optim",
