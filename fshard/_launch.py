@@ -1,9 +1,5 @@
-"""Process-group setup and local multi-process launching.
+"""Local multi-process worlds: `RankPool` and `launch`.
 
-Three entry points:
-
-* `init` joins (or creates) the default ``torch.distributed`` process group from the
-  environment that ``torchrun`` / ``python -m fshard.run`` set, or makes a 1-rank world.
 * `launch` runs one function on ``nprocs`` freshly spawned local ranks and returns the
   per-rank results.
 * `RankPool` keeps ``nprocs`` ranks alive so that many functions can run on the same world
@@ -12,13 +8,17 @@ Three entry points:
 `launch` is a one-shot `RankPool`; both share the worker machinery below. Failures are
 reported as `fshard._errors.RankError` carrying the failing rank and its remote traceback;
 the surviving ranks are killed (SIGTERM, then SIGKILL) after a short grace period, so a rank that
-is blocked in a collective waiting for a dead peer never hangs the caller.
+is blocked in a collective waiting for a dead peer never hangs the caller. Inside the ranks,
+every collective is also bounded by the process-group timeout (``collective_timeout``), a
+backstop behind the parent's own timeout.
+
+`init` (joining the world of ``torchrun`` / ``python -m fshard.run``) lives in ``fshard._env``
+with the rest of the environment rules; it is re-exported here.
 """
 
 from __future__ import annotations
 
 import atexit
-import errno
 import faulthandler
 import math
 import multiprocessing as mp
@@ -28,7 +28,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -38,180 +37,33 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ._env import (
+    HOST,
+    RENDEZVOUS_TIMEOUT,
+    check_timeout,
+    default_backend,
+    describe_exit,
+    init,
+    init_process_group,
+    is_comm_error,
+    torchrun_env,
+)
 from ._errors import FshardError, RankError
 
 __all__ = ["init", "launch", "RankPool"]
 
-_HOST = "127.0.0.1"
-_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_WORKER_PG_TIMEOUT = 60.0  # gloo/NCCL timeout inside pool workers: a backstop, the parent kills earlier
+_BACKSTOP = 300.0  # default process-group timeout inside pool ranks (s); RankPool.run's default is 120
+_BACKSTOP_MARGIN = 10.0  # launch(timeout=T): the ranks' collectives time out at T + this, after the parent
 _GRACE = 3.0  # seconds the other ranks get to finish after one rank failed
 _SHUTDOWN_WAIT = 5.0  # seconds a graceful close waits before killing
 _MAX_TEXT = 4000  # truncation of remote texts embedded in messages
-
-
-# --------------------------------------------------------------------------------------------------
-# helpers
-
-
-def _free_port(host: str = _HOST) -> int:
-    """Return a TCP port on ``host`` that was free a moment ago (bind port 0; retry once)."""
-    for attempt in range(2):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((host, 0))
-                return sock.getsockname()[1]
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE or attempt:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _default_backend(nprocs: int = 1) -> str:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs:
-        return "nccl"
-    return "gloo"
-
-
-def _init_process_group(
-    backend: str,
-    *,
-    local_rank: int,
-    timeout: float | None,
-    store: Any = None,
-    rank: int = -1,
-    world_size: int = -1,
-) -> None:
-    import torch
-    import torch.distributed as dist
-
-    kwargs: dict[str, Any] = {}
-    if timeout is not None:
-        kwargs["timeout"] = timedelta(seconds=timeout)
-    if "nccl" in backend:
-        torch.cuda.set_device(local_rank)
-        kwargs["device_id"] = torch.device("cuda", local_rank)
-    if store is not None:
-        kwargs.update(store=store, rank=rank, world_size=world_size)
-    else:
-        kwargs["init_method"] = "env://"
-    dist.init_process_group(backend, **kwargs)
+_DEFAULT = object()  # "use the module default" (read when called, so tests may lower it)
 
 
 def _truncate(text: str, limit: int = _MAX_TEXT) -> str:
     if len(text) <= limit:
         return text
     return "...[truncated]...\n" + text[-limit:]
-
-
-def _exit_description(code: int | None) -> str:
-    if code is None:
-        return "disappeared"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (exit code {code})"
-    return f"exited with exit code {code}"
-
-
-# --------------------------------------------------------------------------------------------------
-# init
-
-
-def init(backend: str | None = None, timeout: float | None = None) -> None:
-    """Initialize the default ``torch.distributed`` process group from the environment.
-
-    Reads the ``env://`` variables that ``torchrun`` and ``python -m fshard.run`` set (``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and ``LOCAL_RANK`` which defaults to
-    ``RANK``). If none of them is set, a 1-rank world (rank 0 of 1) is created on a free local
-    port, so the same script also runs as plain ``python script.py``. Calling ``init`` when the
-    default group already exists (second call, or inside `launch` / `RankPool`) does
-    nothing.
-
-    Args:
-        backend: ``"nccl"``, ``"gloo"``, ... Defaults to ``"nccl"`` when CUDA is available (the
-            process is then bound to GPU ``LOCAL_RANK`` with ``torch.cuda.set_device``), else
-            ``"gloo"``.
-        timeout: collective / rendezvous timeout in seconds (torch's default when ``None``).
-
-    Raises:
-        FshardError: the environment is only partially configured, or holds non-integers.
-
-    Examples:
-        >>> import torch, torch.distributed as dist
-        >>> import fshard as fs
-        >>> fs.init()                   # python -m fshard.run -n 4 this_script.py
-        >>> t = torch.ones(1)
-        >>> dist.all_reduce(t)          # t == world size
-    """
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        raise FshardError("torch.distributed is not available in this build of PyTorch")
-    if dist.is_initialized():
-        return
-    names = (*_REQUIRED_ENV, "LOCAL_RANK")
-    present = {name: os.environ[name] for name in names if os.environ.get(name)}
-    if not present:
-        backend = backend or _default_backend()
-        store = dist.TCPStore(
-            _HOST, 0, 1, True, timeout=timedelta(seconds=timeout or 300), wait_for_workers=False
-        )
-        _init_process_group(backend, local_rank=0, timeout=timeout, store=store, rank=0, world_size=1)
-        return
-    missing = [name for name in _REQUIRED_ENV if name not in present]
-    if missing:
-        raise FshardError(
-            f"fshard.init(): environment variable(s) {', '.join(missing)} not set, while "
-            f"{', '.join(sorted(present))} are: the distributed environment is only partially "
-            "configured. Run the script under `python -m fshard.run -n N script.py` or "
-            "`torchrun --nproc-per-node N script.py` (they set RANK, LOCAL_RANK, WORLD_SIZE, "
-            "MASTER_ADDR and MASTER_PORT), or unset all of them to run a single-rank world."
-        )
-    try:
-        rank = int(present["RANK"])
-        world_size = int(present["WORLD_SIZE"])
-        int(present["MASTER_PORT"])
-        local_rank = int(present.get("LOCAL_RANK", rank))
-    except ValueError as exc:
-        raise FshardError(f"fshard.init(): malformed distributed environment variable: {exc}") from exc
-    if not 0 <= rank < world_size:
-        raise FshardError(f"fshard.init(): RANK={rank} is not in [0, WORLD_SIZE={world_size})")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "nccl" in backend and "LOCAL_RANK" not in present:
-        local_rank = rank % max(1, torch.cuda.device_count())
-    _init_process_group(backend, local_rank=local_rank, timeout=timeout)
-    atexit.register(_shutdown_at_exit)
-
-
-def _shutdown_at_exit() -> None:
-    """Tear the process group down before the interpreter does.
-
-    Left to interpreter teardown, a gloo group whose peers are still closing their connections
-    can abort the process ("terminate called without an active exception") after the script
-    has finished. A bounded barrier first lets every rank finish its last collective.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    try:
-        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-            dist.monitored_barrier(timeout=timedelta(seconds=30))
-        else:
-            dist.barrier()
-    except Exception:  # a peer already failed: its launcher is ending every rank anyway
-        pass
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,33 +79,9 @@ def _watch_parent(ppid: int) -> None:
             os._exit(70)
 
 
-# gloo raises plain RuntimeErrors; these texts mark a failure caused by another rank.
-_COMM_ERROR_MARKERS = (
-    "gloo/transport/",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Socket Timeout",
-    "Timed out waiting",
-)
-
-
-def _is_comm_error(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a consequence of another rank failing (not a root cause)."""
-    try:
-        import torch.distributed as dist
-
-        if isinstance(exc, dist.DistError):
-            return True
-    except Exception:  # pragma: no cover
-        pass
-    text = str(exc)
-    return any(marker in text for marker in _COMM_ERROR_MARKERS)
-
-
 def _error_message(exc: BaseException) -> tuple:
     summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
-    return ("err", summary, traceback.format_exc(), _is_comm_error(exc))
+    return ("err", summary, traceback.format_exc(), is_comm_error(exc))
 
 
 def _run_job(data: bytes) -> bytes:
@@ -278,28 +106,18 @@ def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
     except OSError:  # pragma: no cover - diagnostics only
         pass
     nprocs = cfg["nprocs"]
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs),
-        GROUP_RANK="0",
-        MASTER_ADDR=_HOST,
-        MASTER_PORT=str(cfg["port"]),
-        TORCHELASTIC_USE_AGENT_STORE="True",  # the parent hosts the store: env:// ranks are clients
-    )
+    # The parent hosts the store: env:// ranks are its clients.
+    os.environ.update(torchrun_env(rank, nprocs, cfg["port"], agent_store=True))
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(cfg["threads"])
-        store = dist.TCPStore(
-            _HOST, cfg["port"], nprocs, False, timeout=timedelta(seconds=_WORKER_PG_TIMEOUT)
-        )
-        _init_process_group(
+        store = dist.TCPStore(HOST, cfg["port"], nprocs, False, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT))
+        init_process_group(
             cfg["backend"],
             local_rank=rank,
-            timeout=_WORKER_PG_TIMEOUT,
+            timeout=cfg["collective_timeout"],
             store=store,
             rank=rank,
             world_size=nprocs,
@@ -347,7 +165,7 @@ class _Failure:
 class _World:
     """``nprocs`` spawned ranks, their pipes, and the TCP store (hosted here) they rendezvous on."""
 
-    def __init__(self, nprocs: int, backend: str, threads: int):
+    def __init__(self, nprocs: int, backend: str, threads: int, collective_timeout: float | None):
         import torch.distributed as dist
 
         self.nprocs = nprocs
@@ -357,12 +175,13 @@ class _World:
         self.stack_dir = tempfile.mkdtemp(prefix="fshard-ranks-")
         # Hosting the store here (bound to port 0, so no port race) lets every rank be a client.
         self.store = dist.TCPStore(
-            _HOST, 0, None, True, timeout=timedelta(seconds=_WORKER_PG_TIMEOUT), wait_for_workers=False
+            HOST, 0, None, True, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT), wait_for_workers=False
         )
         cfg = dict(
             nprocs=nprocs,
             backend=backend,
             threads=threads,
+            collective_timeout=collective_timeout,
             port=self.store.port,
             ppid=os.getpid(),
             stack_dir=self.stack_dir,
@@ -460,9 +279,14 @@ class RankPool:
 
     The ranks are spawned (start method ``"spawn"``) when the pool is created; each one sets
     ``torch.set_num_threads(threads)``, joins the default process group once (backend ``gloo`` on
-    CPU, ``nccl`` with GPU ``rank`` when there are at least ``nprocs`` GPUs; a 60 s collective
-    timeout as a backstop), and then serves jobs. `run` sends ``fn(*args, **kwargs)`` to every
-    rank and returns the results in rank order.
+    CPU, ``nccl`` with GPU ``rank`` when there are at least ``nprocs`` GPUs), and then serves
+    jobs. `run` sends ``fn(*args, **kwargs)`` to every rank and returns the results in rank order.
+
+    Two timeouts bound a job. `run`'s ``timeout`` is enforced by the caller's process: the ranks
+    still running are killed and the error shows their Python stacks. ``collective_timeout`` is
+    the process-group timeout inside the ranks (also given to the groups a `Mesh` creates there):
+    a single collective waiting longer than that fails in the rank itself. Keep it above the
+    ``timeout`` of your `run` calls, so that a slow but legitimate job is not cut short by it.
 
     If a rank raises or dies, the other ranks get a grace period of a few seconds to finish, are then
     killed (SIGTERM, then SIGKILL), and `fshard._errors.RankError` is raised; the pool is
@@ -475,6 +299,12 @@ class RankPool:
             else ``"gloo"``.
         threads: intra-op threads per rank (``torch.set_num_threads``).
         grace: seconds the other ranks get to finish after a rank failed, before being killed.
+        collective_timeout: process-group timeout inside the ranks, in seconds (default 300;
+            ``None``: torch's default, 30 minutes).
+
+    Raises:
+        FshardError: ``nprocs`` or ``collective_timeout`` is not a positive number, or a backend
+            needs more GPUs than there are.
 
     Examples:
         >>> import torch.distributed as dist
@@ -485,11 +315,22 @@ class RankPool:
         [0, 1]
     """
 
-    def __init__(self, nprocs: int, *, backend: str | None = None, threads: int = 1, grace: float = _GRACE):
-        if not isinstance(nprocs, int) or nprocs < 1:
+    def __init__(
+        self,
+        nprocs: int,
+        *,
+        backend: str | None = None,
+        threads: int = 1,
+        grace: float = _GRACE,
+        collective_timeout: Any = _DEFAULT,
+    ):
+        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
             raise FshardError(f"nprocs must be a positive integer, got {nprocs!r}")
+        if collective_timeout is _DEFAULT:
+            collective_timeout = _BACKSTOP
+        collective_timeout = check_timeout(collective_timeout, "fs.RankPool(collective_timeout=...)")
         if backend is None:
-            backend = _default_backend(nprocs)
+            backend = default_backend(nprocs)
         elif "nccl" in backend:
             import torch
 
@@ -502,6 +343,7 @@ class RankPool:
         self.backend = backend
         self.threads = int(threads)
         self.grace = float(grace)
+        self.collective_timeout = collective_timeout
         self._closed = False
         self._world: _World | None = None
         self._finalizer: weakref.finalize | None = None
@@ -518,7 +360,7 @@ class RankPool:
         self.close()
 
     def _start(self) -> _World:
-        world = _World(self.nprocs, self.backend, self.threads)
+        world = _World(self.nprocs, self.backend, self.threads, self.collective_timeout)
         self._world = world
         self._finalizer = weakref.finalize(self, world.shutdown, True)
         self._finalizer.atexit = False  # _shutdown_all_worlds handles interpreter exit
@@ -553,7 +395,8 @@ class RankPool:
             fn: the function each rank runs.
             *args: positional arguments for ``fn``.
             timeout: bound in seconds on the whole call, including (re)starting the ranks
-                (``None``: no bound).
+                (``None``: no bound). One collective inside ``fn`` is also bounded by the pool's
+                ``collective_timeout``.
             **kwargs: keyword arguments for ``fn`` (``timeout`` is taken by ``run`` itself).
 
         Returns:
@@ -575,7 +418,7 @@ class RankPool:
             ...     pool.run(total, 10)
             [30, 30]
         """
-        return self._run(fn, args, kwargs, timeout)
+        return self._run(fn, args, kwargs, check_timeout(timeout, "RankPool.run()"))
 
     # internals ------------------------------------------------------------------------------------
 
@@ -643,7 +486,7 @@ class RankPool:
                     what = f"raised {summary}"
                 else:  # ("died", exitcode)
                     tb, secondary = "", False
-                    what = f"{_exit_description(msg[1])} without returning a result"
+                    what = f"{describe_exit(msg[1])} without returning a result"
                     fatal = world.stack_text(rank)
                     if fatal:
                         tb = fatal
@@ -716,7 +559,7 @@ def launch(
     args: tuple = (),
     kwargs: dict | None = None,
     *,
-    timeout: float = 300,
+    timeout: float | None = 300,
     backend: str | None = None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` freshly spawned local ranks.
@@ -728,12 +571,17 @@ def launch(
     pickle. If the caller is a script, guard its entry point with ``if __name__ == "__main__":``
     because spawned ranks re-import the main module.
 
+    ``timeout`` bounds the call end to end: the ranks' process groups get a slightly longer
+    timeout (``timeout`` + 10 s), so a collective may legitimately wait for a slow peer as long
+    as the call allows, and a hang is reported by this process with the ranks' stacks.
+
     Args:
         fn: the function every rank runs.
         nprocs: number of ranks.
         args: positional arguments for ``fn``.
         kwargs: keyword arguments for ``fn``.
-        timeout: bound in seconds on the whole call (start-up included).
+        timeout: bound in seconds on the whole call (start-up included); ``None``: no bound
+            (collectives then use torch's default timeout, 30 minutes).
         backend: process-group backend; ``None`` chooses as described above.
 
     Returns:
@@ -743,6 +591,7 @@ def launch(
         RankError: a rank raised (its rank and remote traceback are in the message), died without
             raising (exit code), or the call timed out; the remaining ranks are killed within a few
             seconds, even if they are blocked in a collective.
+        FshardError: ``nprocs`` or ``timeout`` is not a positive number.
 
     Examples:
         >>> import torch, torch.distributed as dist
@@ -753,5 +602,7 @@ def launch(
         >>> fs.launch(rank_sum, 4)
         [6, 6, 6, 6]
     """
-    with RankPool(nprocs, backend=backend) as pool:
+    timeout = check_timeout(timeout, "fs.launch()")
+    collective_timeout = None if timeout is None else timeout + _BACKSTOP_MARGIN
+    with RankPool(nprocs, backend=backend, collective_timeout=collective_timeout) as pool:
         return pool._run(fn, tuple(args), dict(kwargs or {}), timeout)

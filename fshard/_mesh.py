@@ -2,45 +2,101 @@
 
 A `Mesh` names the axes of a row-major grid of ranks (rank = dp_index * tp_size +
 tp_index for ``Mesh(dp=2, tp=2)``). It is built on torch's ``DeviceMesh``, which owns the
-per-axis process groups; groups over several axes at once are made on first use.
+per-axis process groups. Groups over several axes at once are made when the mesh is built
+(up to 4 axes of size > 1; beyond that, on the first collective over them). Every group
+fshard makes gets the timeout of the default process group (``fs.init(timeout=...)``).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import keyword
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ._env import collective_timeout
 from ._errors import CollectiveError, MeshError, did_you_mean
 
 __all__ = ["Mesh"]
 
 
-@dataclass(frozen=True, eq=False)
 class AxisGroup:
     """Everything a collective needs about one axis or a tuple of axes (built once, cached).
 
     ``index`` is this rank's position along the axes (first axis major); ``group_index`` is
     its rank inside ``group``, whose ranks are ordered like the mesh. ``order`` maps an
     index along the axes (as the user listed them) to the group rank, or is None when the
-    two agree.
+    two agree. Everything but ``group`` is known without communication; ``group`` is looked
+    up (or, for a combination of axes not made with the mesh, created) on first access.
     """
 
-    names: tuple[str, ...]
-    size: int
-    index: int
-    group: object | None  # ProcessGroup, None when size == 1 or the world is local
-    order: tuple[int, ...] | None
-    global_ranks: tuple[int, ...]  # global rank of each index along the axes
+    __slots__ = ("names", "size", "index", "order", "global_ranks", "_group", "_make")
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        size: int,
+        index: int,
+        order: tuple[int, ...] | None,
+        global_ranks: tuple[int, ...],
+        make: Callable[[], object] | None = None,
+    ):
+        self.names = names
+        self.size = size
+        self.index = index
+        self.order = order
+        self.global_ranks = global_ranks  # global rank of each index along the axes
+        self._group: object | None = None
+        self._make = make
+
+    @property
+    def group(self) -> object | None:
+        """The ProcessGroup; None when ``size == 1`` or the world is local."""
+        if self._make is not None:
+            self._group, self._make = self._make(), None
+        return self._group
 
     def __repr__(self) -> str:
         return f"AxisGroup({self.names}, size={self.size})"
 
 
-_SHARED: dict = {}
+_EAGER_AXES = 4  # meshes with at most this many axes of size > 1 make every multi-axis group up front
+_SHARED: dict = {}  # (names, sizes, device type) -> (DeviceMesh, AxisGroups, world group, groups)
+_BY_DEVICE_MESH: dict = {}  # id(DeviceMesh) -> (DeviceMesh, AxisGroups, world group, groups)
+
+
+def _pg_options(backend: str | None, timeout: timedelta):
+    """Backend options carrying ``timeout``, for torch's DeviceMesh (None for other backends)."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+    else:
+        return None
+    options._timeout = timeout
+    return options
+
+
+def _axis_overrides(sizes: tuple[int, ...], world: int, backend: str | None) -> dict | None:
+    """``init_device_mesh``'s ``backend_override``: the world's timeout for the groups it makes.
+
+    An axis spanning the world reuses the default group (which has that timeout already), except
+    for gloo on a CUDA machine, where DeviceMesh makes a new group for it.
+    """
+    timeout = collective_timeout()
+    if timeout is None or _pg_options(backend, timeout) is None:
+        return None
+    new_world_group = backend == "gloo" and torch.cuda.is_available()
+    overrides = {
+        d: _pg_options(backend, timeout) for d, s in enumerate(sizes) if s != world or new_world_group
+    }
+    return overrides or None
 
 
 def _local_world() -> tuple[int, int]:
@@ -51,6 +107,14 @@ def _local_world() -> tuple[int, int]:
 
 class Mesh:
     """A grid of ranks with named axes, row-major over the default process group.
+
+    Building a mesh is collective: every rank must build it, in the same order as its other
+    collectives. It creates the process group of every axis and, when at most 4 axes have size
+    > 1, of every combination of them (a mesh of the same shape reuses them). Afterwards, sizes,
+    indices and coordinates (`axis_size`, `axis_index`, `coordinate`) never communicate. On a
+    mesh with more than 4 axes of size > 1, the group of a combination of axes is created by the
+    first collective over it, which every rank of the world must then reach, as usual for a
+    collective. Groups get the timeout of the default process group (``fs.init(timeout=...)``).
 
     Args:
         shape: a mapping from axis name to size, in major-to-minor order. Axis sizes may
@@ -97,6 +161,11 @@ class Mesh:
     @classmethod
     def from_device_mesh(cls, device_mesh) -> Mesh:
         """Wrap an existing torch ``DeviceMesh`` with named dims.
+
+        Collective like building a `Mesh` when the DeviceMesh spans the world (its per-axis
+        groups are used as they are; groups over several axes are made the first time a
+        DeviceMesh is wrapped). For a DeviceMesh over part of the world, groups over several
+        axes are made by the first collective over them.
 
         Examples:
             >>> from torch.distributed.device_mesh import init_device_mesh
@@ -151,9 +220,21 @@ class Mesh:
             if shared is None or shared[2] is not world_group:
                 from torch.distributed.device_mesh import init_device_mesh
 
-                dm = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
-                shared = _SHARED[cache_key] = (dm, {}, world_group)
+                dm = init_device_mesh(
+                    self.device.type,
+                    sizes,
+                    mesh_dim_names=names,
+                    backend_override=_axis_overrides(sizes, world, self._backend),
+                )
+                shared = _SHARED[cache_key] = (dm, {}, world_group, {})
+                _BY_DEVICE_MESH[id(dm)] = shared  # Mesh.from_device_mesh(mesh.device_mesh) shares it
             self._device_mesh = shared[0]
+        elif device_mesh is not None:
+            shared = _BY_DEVICE_MESH.get(id(device_mesh))
+            if shared is None or shared[0] is not device_mesh or shared[2] is not dist.group.WORLD:
+                shared = _BY_DEVICE_MESH[id(device_mesh)] = (device_mesh, {}, dist.group.WORLD, {})
+        else:
+            shared = (None, {}, None, {})
         if self._device_mesh is not None:
             coord = self._device_mesh.get_coordinate()
             self._coord = tuple(int(c) for c in coord)
@@ -162,10 +243,12 @@ class Mesh:
             self._coord = tuple(0 for _ in names)
             self._ranks = (rank,)
         self.rank = rank
-        self._groups: dict[tuple[str, ...], AxisGroup] = _SHARED[cache_key][1] if cache_key else {}
+        self._groups: dict[tuple[str, ...], AxisGroup] = shared[1]
+        self._pgs: dict[tuple[int, ...], object] = shared[3]  # sorted dims (size > 1) -> group
         self._key = (names, sizes, self._ranks)
         # Bits for axes that can vary (size > 1); used by varying-axes tracking.
         self._bits = {n: (1 << i) for i, (n, s) in enumerate(zip(names, sizes)) if s > 1}
+        self._make_multi_axis_groups(world)
 
     # -- public accessors ---------------------------------------------------------------
 
@@ -275,13 +358,14 @@ class Mesh:
         order: tuple[int, ...] | None = tuple(sorted_members.index(r) for r in members)
         if order == tuple(range(size)):
             order = None
-        group = None
-        if size > 1:
-            if len(names) == 1:
-                group = self._device_mesh.get_group(names[0])
-            else:
-                group = self._new_group(dims)
-        return AxisGroup(names, size, index, group, order, tuple(members))
+        # Only the axes of size > 1 decide the members: ("dp", "tp") with tp=1 is dp's group.
+        varying = tuple(sorted(d for d in dims if self._sizes[d] > 1))
+        make: Callable[[], object] | None = None
+        if size > 1 and len(varying) == 1:
+            make = functools.partial(self.device_mesh.get_group, varying[0])
+        elif size > 1:
+            make = functools.partial(self._group_of, varying)
+        return AxisGroup(names, size, index, order, tuple(members), make)
 
     def _rank_at(self, coord) -> int:
         flat = 0
@@ -289,12 +373,33 @@ class Mesh:
             flat = flat * s + c
         return self._ranks[flat]
 
+    def _make_multi_axis_groups(self, world: int) -> None:
+        """Make the group of every combination of 2 or more axes of size > 1 (collective).
+
+        Only for a mesh spanning the world (every rank then enumerates the same groups) with at
+        most `_EAGER_AXES` such axes: 2^k - k - 1 combinations for k axes, the one spanning every
+        axis being the world group itself.
+        """
+        varying = [d for d, s in enumerate(self._sizes) if s > 1]
+        if self._device_mesh is None or self._size != world or len(varying) > _EAGER_AXES:
+            return
+        for k in range(2, len(varying) + 1):
+            for dims in itertools.combinations(varying, k):
+                self._group_of(dims)
+
+    def _group_of(self, dims: tuple[int, ...]) -> object:
+        """The group over mesh dims ``dims`` (sorted, each of size > 1), made on first request."""
+        got = self._pgs.get(dims)
+        if got is None:
+            got = self._pgs[dims] = self._new_group(dims)
+        return got
+
     def _new_group(self, dims) -> object:
+        if math.prod(self._sizes[d] for d in dims) == dist.get_world_size():
+            return dist.group.WORLD  # every rank is a member: the default group is that group
         # Every rank enumerates every subgroup in the same order (new_group is collective).
         other = [d for d in range(len(self._names)) if d not in dims]
         subgroups = []
-        import itertools
-
         for fixed in itertools.product(*[range(self._sizes[d]) for d in other]):
             ranks = []
             for inner in itertools.product(*[range(self._sizes[d]) for d in sorted(dims)]):
@@ -305,7 +410,9 @@ class Mesh:
                     coord[d] = c
                 ranks.append(self._rank_at(coord))
             subgroups.append(sorted(ranks))
-        mine, _ = dist.new_subgroups_by_enumeration(subgroups, backend=self._backend)
+        mine, _ = dist.new_subgroups_by_enumeration(
+            subgroups, backend=self._backend, timeout=collective_timeout()
+        )
         return mine
 
     def bits(self, names: tuple[str, ...]) -> int:

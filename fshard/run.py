@@ -8,32 +8,45 @@ Usage::
 
 Every rank is a ``sys.executable`` subprocess whose environment carries ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` (plus the other
-variables ``torchrun`` sets), so a script that calls ``fshard._launch.init()`` (or
-``torch.distributed.init_process_group("gloo")``) runs unchanged under either launcher. Rank 0 hosts
-the rendezvous store, as with ``torchrun`` when it does not use its agent store.
+variables ``torchrun`` sets, see ``fshard._env.torchrun_env``), so a script that calls
+``fs.init()`` (or ``torch.distributed.init_process_group("gloo")``) runs unchanged under either
+launcher. Rank 0 hosts the rendezvous store, as with ``torchrun`` when it does not use its agent
+store.
 
 If a rank exits with a non-zero code, the other ranks are terminated (SIGTERM, then SIGKILL after a
-few seconds) and the launcher exits with that code. SIGINT/SIGTERM sent to the launcher are
-forwarded to the ranks (a second signal kills them).
+few seconds) and the launcher exits with the code of the rank that failed first. A rank that
+called ``fs.init()`` and raised records its exception in ``TORCHELASTIC_ERROR_FILE`` before it
+exits: the launcher names that rank, and its exception, even when ranks that were waiting for it
+in a collective exit first. SIGINT/SIGTERM sent to the launcher are forwarded to the ranks (a
+second signal kills them).
+
+The launcher itself does not import torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from typing import IO
 
+from ._env import ERROR_FILE_ENV, describe_exit, exit_status, free_port, read_error_file, torchrun_env
+
 __all__ = ["main"]
 
 _KILL_AFTER_FAILURE = 3.0  # seconds between SIGTERM and SIGKILL once a rank failed
 _KILL_AFTER_SIGNAL = 10.0  # seconds ranks get to handle a forwarded SIGINT/SIGTERM
+_WAIT_FOR_CULPRIT = 2.0  # seconds to wait for the rank that caused the failures seen so far
+_RANK_MEMORY = 230 * 2**20  # resident memory of an idle rank: an interpreter with torch imported
+_RANKS_PER_CPU = 4  # beyond this many ranks per CPU, start-up and collectives crawl
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,29 +73,59 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _rank_env(rank: int, nprocs: int, port: int, run_id: str) -> dict[str, str]:
+def _rank_env(rank: int, nprocs: int, port: int, run_id: str, error_file: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs),
-        GROUP_RANK="0",
-        GROUP_WORLD_SIZE="1",
-        ROLE_RANK=str(rank),
-        ROLE_NAME="default",
-        ROLE_WORLD_SIZE=str(nprocs),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_RESTART_COUNT="0",
-        TORCHELASTIC_MAX_RESTARTS="0",
-        TORCHELASTIC_RUN_ID=run_id,
-        TORCHELASTIC_USE_AGENT_STORE="False",
-        TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-    )
+    env.update(torchrun_env(rank, nprocs, port, agent_store=False, run_id=run_id))
+    env[ERROR_FILE_ENV] = error_file
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun does, to avoid oversubscribing the cores
     return env
+
+
+def _machine() -> tuple[int, int | None]:
+    """(usable CPUs, available memory in bytes or None when unknown)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    available = None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            pass
+    return cpus, available
+
+
+def _capacity_warnings(nprocs: int, cpus: int, available: int | None) -> list[str]:
+    """Warnings for a world far beyond this machine (memory, CPUs); empty when it fits."""
+    gib = 2**30
+    warnings = []
+    need = nprocs * _RANK_MEMORY
+    if available is not None and need > available:
+        fit = max(1, available // _RANK_MEMORY)
+        warnings.append(
+            f"fshard.run: warning: {nprocs} ranks need about {need / gib:.1f} GiB of memory "
+            f"({nprocs} x ~{_RANK_MEMORY // 2**20} MiB, one Python process with torch each) but only "
+            f"{available / gib:.1f} GiB is available, so ranks may be killed for lack of memory; "
+            f"use -n {fit} or fewer, or a machine with more memory"
+        )
+    if nprocs > _RANKS_PER_CPU * cpus:
+        warnings.append(
+            f"fshard.run: warning: {nprocs} ranks on {cpus} CPU(s) is {nprocs / cpus:.0f} ranks per "
+            f"CPU, so start-up and every collective will be very slow; use -n "
+            f"{_RANKS_PER_CPU * cpus} or fewer, or a machine with more CPUs"
+        )
+    return warnings
 
 
 def _death_signal_preexec():
@@ -113,13 +156,35 @@ def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes, lock: threading.Lock) -
         pass
 
 
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+def _root_cause(codes: list[int | None], error_files: list[str], *, final: bool) -> tuple[int, str] | None:
+    """The rank that failed first, and how: ``(rank, "raised ValueError: ... and exited with code 1")``.
+
+    In order: the rank that recorded the earliest exception of its own (it wrote its error file
+    before closing its connections, hence before any peer could fail because of it); else the
+    lowest rank that exited with an error and recorded nothing (``sys.exit(3)``, a signal); else,
+    if every failed rank recorded a consequence of another rank failing (a closed connection, a
+    timeout), None until ``final`` (the culprit may still be on its way out), then the earliest.
+    """
+    recorded = {rank: read_error_file(path) for rank, path in enumerate(error_files)}
+
+    def raised(rank: int) -> str:
+        code = codes[rank]
+        message = f"raised {recorded[rank].message}"  # type: ignore[union-attr]
+        return message if code is None else f"{message} and {describe_exit(code)}"
+
+    primary = [(got.time, rank) for rank, got in recorded.items() if got is not None and not got.secondary]
+    if primary:
+        rank = min(primary)[1]
+        return rank, raised(rank)
+    failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+    unrecorded = [rank for rank in failed if recorded[rank] is None]
+    if unrecorded:
+        return unrecorded[0], describe_exit(codes[unrecorded[0]])
+    if not final:
+        return None
+    secondary = [(got.time, rank) for rank, got in recorded.items() if got is not None]
+    rank = min(secondary)[1] if secondary else failed[0]
+    return rank, raised(rank)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,8 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: command-line arguments without the program name (``sys.argv[1:]`` when ``None``).
 
     Returns:
-        0 if every rank exited with 0; the exit code of the first failing rank (``128 + signal``
-        if it was killed by a signal); ``128 + signal`` if the launcher was interrupted.
+        0 if every rank exited with 0; the exit code of the rank that failed first (``128 +
+        signal`` if it was killed by a signal); ``128 + signal`` if the launcher was interrupted.
 
     Examples:
         >>> from fshard.run import main
@@ -143,15 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nprocs must be >= 1")
     if not opts.module and not os.path.exists(opts.script):
         parser.error(f"no such script: {opts.script}")
-    if opts.master_port is not None:
-        port = opts.master_port
-    else:
-        from fshard._launch import _free_port
-
-        port = _free_port()
+    for warning in _capacity_warnings(opts.nprocs, *_machine()):
+        print(warning, file=sys.stderr, flush=True)
+    port = opts.master_port if opts.master_port is not None else free_port()
     cmd = [sys.executable, *(["-m"] if opts.module else []), opts.script, *opts.script_args]
     run_id = f"fshard-{uuid.uuid4().hex[:12]}"
     preexec = _death_signal_preexec()
+    error_dir = tempfile.mkdtemp(prefix="fshard-run-")
+    error_files = [os.path.join(error_dir, f"rank{rank}.json") for rank in range(opts.nprocs)]
 
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -172,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             old_handlers[sig] = signal.signal(sig, forward)
         for rank in range(opts.nprocs):
-            env = _rank_env(rank, opts.nprocs, port, run_id)
+            env = _rank_env(rank, opts.nprocs, port, run_id, error_files[rank])
             kwargs: dict = {"env": env, "preexec_fn": preexec}
             if opts.prefix:
                 env["PYTHONUNBUFFERED"] = "1"
@@ -189,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     thread.start()
                     pumps.append(thread)
 
-        exit_code = 0
+        blamed: int | None = None  # the rank that failed first
+        first_failure: float | None = None  # when a rank was first seen to fail
         kill_at: float | None = None
         while True:
             codes = [proc.poll() for proc in procs]
@@ -198,37 +263,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             now = time.monotonic()
             if received and kill_at is None:
                 kill_at = now + _KILL_AFTER_SIGNAL
-            if exit_code == 0 and not received:
-                failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-                if failed:
-                    rank, code = failed[0]
-                    exit_code = 128 - code if code < 0 else code
-                    alive = sum(code is None for code in codes)
-                    print(
-                        f"fshard.run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; "
-                        f"terminating the {alive} other running rank(s)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    for proc in procs:
-                        if proc.poll() is None:
-                            proc.terminate()
-                    kill_at = now + _KILL_AFTER_FAILURE
+            verdict = None
+            if blamed is None and not received and any(code not in (None, 0) for code in codes):
+                if first_failure is None:
+                    first_failure = now
+                verdict = _root_cause(codes, error_files, final=now - first_failure >= _WAIT_FOR_CULPRIT)
+            if verdict is not None:
+                blamed, what = verdict
+                others = [p for rank, p in enumerate(procs) if rank != blamed and p.poll() is None]
+                print(
+                    f"fshard.run: rank {blamed} (pid {procs[blamed].pid}) {what}; "
+                    f"terminating the {len(others)} other running rank(s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                for proc in others:  # the blamed rank, if still running, is ending by itself
+                    proc.terminate()
+                kill_at = now + _KILL_AFTER_FAILURE
             if kill_at is not None and now >= kill_at:
                 for proc in procs:
                     if proc.poll() is None:
                         proc.kill()
                 kill_at = float("inf")
             time.sleep(0.05)
-        if exit_code == 0:
-            for rank, rc in enumerate(codes):
-                if rc is not None and rc != 0 and not received:
-                    exit_code = 128 - rc if rc < 0 else rc
-                    print(f"fshard.run: rank {rank} {_describe(rc)}", file=sys.stderr, flush=True)
-                    break
         if received:
-            exit_code = 128 + received[0]
-        return exit_code
+            return 128 + received[0]
+        if blamed is None and any(codes):  # failures seen only at the last poll
+            blamed, what = _root_cause(codes, error_files, final=True)  # type: ignore[misc]
+            print(f"fshard.run: rank {blamed} (pid {procs[blamed].pid}) {what}", file=sys.stderr, flush=True)
+        if blamed is None:
+            return 0
+        # The blamed rank's code; if it somehow exited with 0 after recording, the first failure's.
+        return exit_status(codes[blamed] or next(code for code in codes if code))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -243,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         stream.close()
         for old_sig, handler in old_handlers.items():
             signal.signal(old_sig, handler)  # type: ignore[arg-type]
+        shutil.rmtree(error_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

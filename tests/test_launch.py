@@ -101,7 +101,7 @@ def test_launch_raising_rank_reports_traceback_and_kills_blocked_ranks():
 
 
 def test_launch_reports_rank_that_exits_without_raising():
-    with pytest.raises(RankError, match="exit code 3") as info:
+    with pytest.raises(RankError, match="exited with code 3 without returning a result") as info:
         launch(_exit_on, 2, args=(1, 3))
     assert info.value.rank == 1
 
@@ -289,3 +289,56 @@ def test_run_forwards_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- the shared environment rules -------------------------------------------------------------------
+
+
+def test_pool_ranks_and_fshard_run_share_one_torchrun_environment():
+    from fshard._env import torchrun_env
+
+    assert torchrun_env(1, 4, 29500, agent_store=True) == {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    elastic = torchrun_env(0, 2, 29500, agent_store=False, run_id="r1")
+    assert elastic["TORCHELASTIC_RUN_ID"] == "r1" and elastic["ROLE_WORLD_SIZE"] == "2"
+    assert elastic["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+
+
+def test_exit_codes_are_described_and_passed_on_one_way():
+    from fshard._env import describe_exit, exit_status
+
+    assert [describe_exit(c) for c in (0, 3, -9, None)] == [
+        "exited with code 0",
+        "exited with code 3",
+        "was killed by SIGKILL",
+        "disappeared",
+    ]
+    assert [exit_status(c) for c in (0, 3, -9, -15)] == [0, 3, 137, 143]
+
+
+def test_the_launcher_does_not_import_torch():
+    # fshard.run and what it imports (fshard._env, fshard._errors) load without torch; the
+    # package's own __init__ is bypassed here, since it imports the torch-based modules.
+    code = textwrap.dedent(
+        f"""
+        import sys, types
+        pkg = types.ModuleType("fshard")
+        pkg.__path__ = [{str(ROOT / "fshard")!r}]
+        sys.modules["fshard"] = pkg
+        import fshard.run
+        fshard.run._capacity_warnings(2, 2, 2**33)
+        print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

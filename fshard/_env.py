@@ -1,0 +1,487 @@
+"""The torchrun environment, joining the default process group, and how a rank ends.
+
+Written once here and shared by `fs.init`, the rank pool (``fshard._launch``) and the
+``python -m fshard.run`` launcher:
+
+* `torchrun_env`: the variables ``torchrun`` gives a rank on one machine;
+* `describe_exit` / `exit_status`: how a rank's exit code is reported and passed on;
+* `is_comm_error`: whether an exception is a consequence of another rank failing;
+* `init` and its exit hooks: a rank that raises exits at once (and leaves an error file in
+  torchrun's format for its launcher) instead of waiting for its peers at exit.
+
+Nothing here imports torch at module level: the launcher process never needs it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+from ._errors import FshardError
+
+HOST = "127.0.0.1"
+REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where a rank records the exception that ended it
+EXIT_BARRIER_TIMEOUT = 30.0  # seconds the at-exit barrier waits at most (half init's timeout if shorter)
+EXIT_AFTER_ERROR = 10.0  # seconds a rank that raised may spend in interpreter shutdown
+RENDEZVOUS_TIMEOUT = 300.0  # seconds to join a world at least: ranks may start seconds apart
+
+
+# --------------------------------------------------------------------------------------------------
+# the environment torchrun sets
+
+
+def torchrun_env(
+    rank: int, nprocs: int, port: int, *, agent_store: bool, run_id: str | None = None
+) -> dict[str, str]:
+    """The variables ``torchrun --nproc-per-node nprocs`` gives ``rank`` (one machine).
+
+    ``agent_store``: the launcher hosts the rendezvous store (every rank is a client) rather than
+    rank 0. ``run_id``: also set the elastic agent's variables (``TORCHELASTIC_RUN_ID``, ...), as a
+    command-line launcher does.
+    """
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
+    }
+    if run_id is not None:
+        env.update(
+            ROLE_RANK=str(rank),
+            ROLE_NAME="default",
+            ROLE_WORLD_SIZE=str(nprocs),
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            TORCHELASTIC_RUN_ID=run_id,
+        )
+    return env
+
+
+def free_port(host: str = HOST) -> int:
+    """Return a TCP port on ``host`` that was free a moment ago (bind port 0; retry once)."""
+    for attempt in range(2):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                return sock.getsockname()[1]
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------------------------------
+# exit codes
+
+
+def describe_exit(code: int | None) -> str:
+    """``"exited with code 3"``, ``"was killed by SIGKILL"``, or ``"disappeared"`` (no code)."""
+    if code is None:
+        return "disappeared"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def exit_status(code: int) -> int:
+    """The shell's exit status for a child's return code: ``128 + signal`` when it was killed."""
+    return 128 - code if code < 0 else code
+
+
+# --------------------------------------------------------------------------------------------------
+# failures caused by another rank
+
+# gloo raises plain RuntimeErrors; these texts mark a failure caused by another rank.
+_COMM_ERROR_MARKERS = (
+    "gloo/transport/",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) looks like a consequence of another
+    rank failing, rather than a root cause."""
+    current: BaseException | None = exc
+    seen = 0
+    while current is not None and seen < 10:
+        try:
+            import torch.distributed as dist
+
+            if isinstance(current, dist.DistError):
+                return True
+        except Exception:  # pragma: no cover
+            pass
+        text = str(current)
+        if any(marker in text for marker in _COMM_ERROR_MARKERS):
+            return True
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return False
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``"ValueError: message"`` on one line, truncated to ``limit`` characters."""
+    text = traceback.format_exception_only(type(exc), exc)[-1].strip().replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# error files (torchrun's format: the launcher reads them to name the rank that failed first)
+
+
+def write_error_file(path: str, exc: BaseException, tb: Any, *, secondary: bool = False) -> None:
+    """Record ``exc`` in ``path`` the way ``torch.distributed.elastic``'s ``@record`` does.
+
+    ``secondary``: ``exc`` is a consequence of another rank failing (a closed connection, a
+    timeout), so a launcher should look for another culprit first.
+    """
+    now = time.time()
+    data = {
+        "message": {
+            "message": one_line(exc, 2000),
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+                "timestamp": str(int(now)),
+                "fshard_time": repr(now),
+                "fshard_secondary": secondary,
+            },
+        }
+    }
+    try:
+        with open(path, "w") as fh:
+            json.dump(data, fh)
+    except OSError:  # diagnostics only
+        pass
+
+
+class Recorded(NamedTuple):
+    """What a rank recorded in its error file."""
+
+    message: str  # "ValueError: ..." on one line
+    time: float  # when it was written
+    secondary: bool  # a consequence of another rank failing
+
+
+def read_error_file(path: str) -> Recorded | None:
+    """The exception recorded in an error file, or None when there is none."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        message = data["message"]
+        if isinstance(message, str):
+            return Recorded(message.splitlines()[0] if message else "", os.path.getmtime(path), False)
+        info = message.get("extraInfo", {})
+        when = float(info.get("fshard_time") or info.get("timestamp") or os.path.getmtime(path))
+        text = str(message.get("message", "")).splitlines()
+        return Recorded(text[0] if text else "", when, bool(info.get("fshard_secondary", False)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# process groups
+
+
+def default_backend(nprocs: int = 1) -> str:
+    """``"nccl"`` when CUDA has at least ``nprocs`` devices, else ``"gloo"``."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs:
+        return "nccl"
+    return "gloo"
+
+
+def check_timeout(timeout: Any, where: str) -> float | None:
+    """``timeout`` as float seconds (None stays None), or a FshardError naming ``where``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise FshardError(
+            f"{where}: timeout must be a positive number of seconds (or None for torch's default), "
+            f"got {timeout!r}"
+        )
+    return float(timeout)
+
+
+def init_process_group(
+    backend: str,
+    *,
+    local_rank: int,
+    timeout: float | None,
+    store: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """``torch.distributed.init_process_group`` with fshard's defaults (``env://`` without store).
+
+    ``timeout`` bounds the collectives; joining the world itself may take up to
+    `RENDEZVOUS_TIMEOUT` (ranks can start seconds apart on a busy machine), so a short timeout
+    is set once every rank has joined.
+    """
+    import torch
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = timedelta(seconds=max(timeout, RENDEZVOUS_TIMEOUT))
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    if store is not None:
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend, **kwargs)
+    if timeout is not None and timeout < RENDEZVOUS_TIMEOUT:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout of the default process group (whoever made it), or None when unknown.
+
+    fshard gives every group it creates this timeout, so that ``fs.init(timeout=...)`` (or the
+    ``timeout`` of ``torch.distributed.init_process_group``) bounds collectives on mesh axes too.
+    """
+    try:
+        import torch
+        import torch.distributed as dist
+
+        pg = dist.distributed_c10d._get_default_group()
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            if device in pg._device_types:
+                timeout = pg._get_backend(device).options._timeout
+                if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+                    return timeout
+    except Exception:
+        pass
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# init
+
+
+def init(backend: str | None = None, timeout: float | None = None) -> None:
+    """Initialize the default ``torch.distributed`` process group from the environment.
+
+    Reads the ``env://`` variables that ``torchrun`` and ``python -m fshard.run`` set (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and ``LOCAL_RANK`` which defaults to
+    ``RANK``). If none of them is set, a 1-rank world (rank 0 of 1) is created on a free local
+    port, so the same script also runs as plain ``python script.py``. Calling ``init`` when the
+    default group already exists (second call, or inside `launch` / `RankPool`) does
+    nothing.
+
+    In a multi-rank world, a rank whose script ends with an uncaught exception exits at once
+    with code 1 (after printing the traceback), without waiting for its peers, and records the
+    exception in torchrun's error file: the launcher then stops the other ranks and names this
+    one. A rank that finishes normally waits for the others to finish (up to 30 s, or half of
+    ``timeout`` if that is shorter) before tearing the process group down.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"``, ... Defaults to ``"nccl"`` when CUDA is available (the
+            process is then bound to GPU ``LOCAL_RANK`` with ``torch.cuda.set_device``), else
+            ``"gloo"``.
+        timeout: collective / rendezvous timeout in seconds (torch's default, 30 minutes, when
+            ``None``). It also applies to every process group a `Mesh` creates.
+
+    Raises:
+        FshardError: the environment is only partially configured, or holds non-integers, or
+            ``timeout`` is not a positive number.
+
+    Examples:
+        >>> import torch, torch.distributed as dist
+        >>> import fshard as fs
+        >>> fs.init()                   # python -m fshard.run -n 4 this_script.py
+        >>> t = torch.ones(1)
+        >>> dist.all_reduce(t)          # t == world size
+    """
+    import torch
+    import torch.distributed as dist
+
+    timeout = check_timeout(timeout, "fshard.init()")
+    if not dist.is_available():
+        raise FshardError("torch.distributed is not available in this build of PyTorch")
+    if dist.is_initialized():
+        return
+    names = (*REQUIRED_ENV, "LOCAL_RANK")
+    present = {name: os.environ[name] for name in names if os.environ.get(name)}
+    if not present:
+        backend = backend or default_backend()
+        store = dist.TCPStore(
+            HOST, 0, 1, True, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT), wait_for_workers=False
+        )
+        init_process_group(backend, local_rank=0, timeout=timeout, store=store, rank=0, world_size=1)
+        return
+    missing = [name for name in REQUIRED_ENV if name not in present]
+    if missing:
+        raise FshardError(
+            f"fshard.init(): environment variable(s) {', '.join(missing)} not set, while "
+            f"{', '.join(sorted(present))} are: the distributed environment is only partially "
+            "configured. Run the script under `python -m fshard.run -n N script.py` or "
+            "`torchrun --nproc-per-node N script.py` (they set RANK, LOCAL_RANK, WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT), or unset all of them to run a single-rank world."
+        )
+    try:
+        rank = int(present["RANK"])
+        world_size = int(present["WORLD_SIZE"])
+        int(present["MASTER_PORT"])
+        local_rank = int(present.get("LOCAL_RANK", rank))
+    except ValueError as exc:
+        raise FshardError(f"fshard.init(): malformed distributed environment variable: {exc}") from exc
+    if not 0 <= rank < world_size:
+        raise FshardError(f"fshard.init(): RANK={rank} is not in [0, WORLD_SIZE={world_size})")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend and "LOCAL_RANK" not in present:
+        local_rank = rank % max(1, torch.cuda.device_count())
+    init_process_group(backend, local_rank=local_rank, timeout=timeout)
+    # Half the collective timeout: a rank that left early (sys.exit(3)) while its peers wait for
+    # it in a collective gives up on them before they give up on it, so it is seen to fail first.
+    _exit.barrier_timeout = min(EXIT_BARRIER_TIMEOUT, timeout / 2) if timeout else EXIT_BARRIER_TIMEOUT
+    _install_failure_hook()
+    atexit.register(_shutdown_at_exit)
+
+
+# --------------------------------------------------------------------------------------------------
+# how a rank ends
+
+
+class _ExitState:
+    failed = False
+    code = 1
+    barrier_timeout = EXIT_BARRIER_TIMEOUT
+    hooked = False
+
+
+_exit = _ExitState()
+
+
+def _install_failure_hook() -> None:
+    """Chain a ``sys.excepthook`` that marks this rank as failed (see `_on_uncaught`)."""
+    if _exit.hooked:
+        return
+    _exit.hooked = True
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        interactive = bool(sys.flags.interactive) or hasattr(sys, "ps1")
+        if not interactive and isinstance(exc, BaseException) and not isinstance(exc, SystemExit):
+            _on_uncaught(exc, tb)
+        previous(exc_type, exc, tb)
+        if _exit.failed:
+            _flush()
+
+    sys.excepthook = excepthook
+
+
+def _on_uncaught(exc: BaseException, tb: Any) -> None:
+    """The script is ending with ``exc``: record it and make sure the process ends soon.
+
+    Peers may be blocked in a collective with this rank; waiting for them at exit (the barrier of
+    `_shutdown_at_exit`) would hang until the process-group timeout. The exception is written to
+    the launcher's error file first (before this process closes its connections, hence before
+    any peer fails because of it), marked secondary when it is itself a consequence of another
+    rank failing.
+    """
+    _exit.failed = True
+    _exit.code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        write_error_file(path, exc, tb, secondary=is_comm_error(exc))
+    # Interpreter shutdown joins non-daemon threads before the exit hooks run: bound it.
+    threading.Thread(target=_exit_later, args=(EXIT_AFTER_ERROR,), daemon=True, name="fshard-exit").start()
+
+
+def _exit_later(delay: float) -> None:
+    time.sleep(delay)
+    _exit_now(_exit.code)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+
+
+def _exit_now(code: int) -> None:
+    """End the process without interpreter teardown (where gloo's threads can abort it)."""
+    if "logging" in sys.modules:
+        try:
+            sys.modules["logging"].shutdown()
+        except Exception:
+            pass
+    _flush()
+    os._exit(code)
+
+
+def _shutdown_at_exit() -> None:
+    """Tear the process group down before the interpreter does.
+
+    Left to interpreter teardown, a gloo group whose peers are still closing their connections
+    can abort the process ("terminate called without an active exception") after the script
+    has finished. A bounded barrier first lets every rank finish its last collective. A rank
+    whose script raised skips all of it and exits at once (code 1; 130 after Ctrl-C).
+    """
+    if _exit.failed:
+        _exit_now(_exit.code)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        _exit_barrier(_exit.barrier_timeout)
+    except Exception:  # a peer already failed: its launcher is ending every rank anyway
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _exit_barrier(timeout: float) -> bool:
+    """Wait (up to ``timeout`` s) until every rank has reached its exit; False on timeout.
+
+    Counted on the rendezvous store rather than with a collective: a gloo barrier does not
+    honour its timeout while a peer is blocked in another collective with this rank (a peer
+    waiting for a rank that left with ``sys.exit(1)``, say), and the count needs no backend.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world == 1:
+        return True
+    store = dist.distributed_c10d._get_default_store()
+    key = "fshard/exit-barrier"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while store.add(key, 0) < world:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
