@@ -3,8 +3,9 @@
 Every parameter is split along its first dim over the "dp" axis ("(dp d) h"), and so
 are its gradient and both AdamW moments: each rank stores 1/dp of the model and of
 the optimizer state. The batch is split over dp too. Inside the loss each rank
-all-gathers the parameters it needs (``fs.all_gather(..., tiled=True)``); the
-transpose of that all-gather is a reduce-scatter, so the backward hands each rank
+all-gathers the parameters it needs, the whole tree in one coalesced collective
+(``fs.all_gather(params, "dp", tiled=True)``); the transpose of that all-gather is one
+reduce-scatter, so the backward hands each rank
 the summed gradient of exactly its own parameter slice, with no hand-written
 communication. ``fs.optim.adamw`` then updates the local slices with no
 communication either.
@@ -76,7 +77,7 @@ def main():
 
     @fs.shard_map(mesh=mesh, in_specs=(PARAM_SPECS, "(dp b) d", "(dp b)"), out_specs="")
     def loss_fn(params, x, labels):  # runs on local blocks
-        full = {k: fs.all_gather(p, "dp", dim=0, tiled=True) for k, p in params.items()}
+        full = fs.all_gather(params, "dp", dim=0, tiled=True)  # one all-gather for the whole tree
         return fs.pmean(mlp_loss(full, x, labels), "dp")
 
     global_params = init_params(args.seed, args.d, args.hidden, args.classes)
@@ -88,8 +89,8 @@ def main():
     ref = {k: v.clone().requires_grad_() for k, v in global_params.items()}
     ref_opt = torch.optim.AdamW(list(ref.values()), lr=args.lr)
 
-    n = len(params)
-    expected = {("all_gather", ("dp",)): n, ("reduce_scatter", ("dp",)): n, ("all_reduce", ("dp",)): 1}
+    # one coalesced all-gather of the parameters, one reduce-scatter of their gradients, the loss
+    expected = {("all_gather", ("dp",)): 1, ("reduce_scatter", ("dp",)): 1, ("all_reduce", ("dp",)): 1}
     data = torch.Generator().manual_seed(args.seed + 1)
     for i in range(args.steps):
         x = torch.randn(args.batch, args.d, generator=data)  # the global batch, the same on every rank

@@ -186,10 +186,20 @@ def fsdp_dims(specs):
 
 
 def unshard(params, dp_dims):
-    """All-gather the FSDP-split parameters over dp (the gradient becomes a reduce-scatter)."""
-    return optree.tree_map(
-        lambda w, dim: w if dim < 0 else fs.all_gather(w, "dp", dim=dim, tiled=True), params, dp_dims
-    )
+    """All-gather the FSDP-split parameters over dp (the gradient becomes a reduce-scatter).
+
+    The parameters split along the same dim are gathered together: one coalesced all-gather
+    per dim (and dtype), whose transpose is one reduce-scatter.
+    """
+    leaves, treedef = optree.tree_flatten(params)
+    dims = treedef.flatten_up_to(dp_dims)
+    out = list(leaves)
+    for d in sorted({d for d in dims if d >= 0}):
+        idx = [i for i, x in enumerate(dims) if x == d]
+        gathered = fs.all_gather([leaves[i] for i in idx], "dp", dim=d, tiled=True)
+        for i, w in zip(idx, gathered):
+            out[i] = w
+    return treedef.unflatten(out)
 
 
 def forward(params, tokens, cfg: Config, dp_dims=None):
