@@ -57,6 +57,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         ],
     ),
     ("Autodiff", "", ["value_and_grad", "grad", "no_sync", "remat"]),
+    ("Modules", "", ["sync_buffers", "check_buffers"]),
     ("Counting collectives", "", ["count_collectives", "CollectiveCounts"]),
     ("Launching", "", ["init", "launch", "RankPool"]),
     ("Optimizers: `fs.optim`", "", ["optim"]),
