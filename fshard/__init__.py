@@ -16,6 +16,7 @@ from . import checkpoint, optim, random  # noqa: E402  (submodules: fs.optim.ada
 from ._autodiff import grad, value_and_grad
 from ._buckets import no_sync
 from ._collectives import (
+    Pending,
     all_gather,
     all_to_all,
     axis_index,
@@ -79,6 +80,7 @@ __all__ = [
     "ppermute",
     "pbroadcast",
     "pvary",
+    "Pending",
     "axis_index",
     "axis_size",
     # autodiff

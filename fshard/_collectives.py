@@ -27,18 +27,19 @@ backward; the others apply to each leaf.
 from __future__ import annotations
 
 import math
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import optree
 import torch
 import torch.distributed as dist
 
-from . import _vma
+from . import _comm, _vma
 from ._comm import untracked
 from ._errors import CollectiveError
 from ._primitives import (
     AllGather,
     AllGatherCoalesced,
+    AllGatherDone,
     AllGatherInvariant,
     AllReduce,
     AllReduceCoalesced,
@@ -46,8 +47,10 @@ from ._primitives import (
     Broadcast,
     Extremum,
     PPermute,
+    PPermuteDone,
     ReduceScatter,
     ReduceScatterCoalesced,
+    ReduceScatterDone,
 )
 from ._primitives import apply as _apply
 
@@ -64,6 +67,7 @@ __all__ = [
     "ppermute",
     "pbroadcast",
     "pvary",
+    "Pending",
     "axis_index",
     "axis_size",
 ]
@@ -254,7 +258,9 @@ def pmin(x: _T, axis) -> _T:
     return _extremum(x, axis, dist.ReduceOp.MIN, "pmin")
 
 
-def all_gather(x: _T, axis, dim: int = 0, tiled: bool = False, *, invariant: bool = False) -> _T:
+def all_gather(
+    x: _T, axis, dim: int = 0, tiled: bool = False, *, invariant: bool = False, async_op: bool = False
+):
     """Gather the blocks of ``x`` from every index along ``axis``.
 
     With ``tiled=False`` the blocks are stacked in a new dimension ``dim``; with
@@ -275,11 +281,26 @@ def all_gather(x: _T, axis, dim: int = 0, tiled: bool = False, *, invariant: boo
         >>> layer = fs.all_gather({"w": w_shard, "b": b_shard}, "dp", tiled=True)
     """
     if not isinstance(x, torch.Tensor):
+        _no_async_tree(async_op, "all_gather")
         return _all_gather_tree(x, axis, dim, tiled, invariant)
     tr, g, bits, v = _prologue(x, axis, "all_gather")
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
     x = _vary(x, tr, v, bits)
+    if async_op:
+        if invariant:
+            raise CollectiveError(
+                "fs.all_gather: async_op=True is not supported with invariant=True; gather "
+                "asynchronously without it, or synchronously with invariant=True"
+            )
+        handle = _comm.all_gather_start(cast(torch.Tensor, x), g)
+
+        def done():
+            y = _vma.tag(_apply(AllGatherDone, x, g, dim, tiled, handle), tr, v | bits)
+            y._fshard_gathered = g.names
+            return y
+
+        return Pending(done)
     if invariant:
         return _vma.tag(_apply(AllGatherInvariant, x, g, dim, tiled), tr, v & ~bits)
     y = _vma.tag(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
@@ -315,7 +336,7 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
     return optree.tree_unflatten(treedef, out)
 
 
-def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False) -> _T:
+def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bool = False):
     """Sum ``x`` over ``axis`` and keep this rank's block along ``dim`` (a reduce-scatter).
 
     With ``tiled=False`` dimension ``dim`` must have the axis size and is removed; with
@@ -332,11 +353,50 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False) -> _T:
         >>> g_shards = fs.psum_scatter(grads, "dp", tiled=True)   # ZeRO-style gradient shards
     """
     if not isinstance(x, torch.Tensor):
+        _no_async_tree(async_op, "psum_scatter")
         return _psum_scatter_tree(x, axis, dim, tiled)
     tr, g, bits, v = _prologue(x, axis, "psum_scatter")
     dim = _check_scatter(x, g, dim, tiled, "psum_scatter")
     x = _vary(x, tr, v, bits)
+    if async_op:
+        from ._primitives import split_blocks
+
+        handle = _comm.reduce_scatter_start(split_blocks(cast(torch.Tensor, x), g.size, dim, tiled), g)
+        return Pending(lambda: _vma.tag(_apply(ReduceScatterDone, x, g, dim, tiled, handle), tr, v | bits))
     return _vma.tag(_apply(ReduceScatter, x, g, dim, tiled), tr, v | bits)
+
+
+class Pending:
+    """A collective started with ``async_op=True``: compute meanwhile, then ``wait()``.
+
+    ``wait()`` blocks until the transfer is done and returns the result, a tensor like the
+    synchronous collective's (with the same gradient); later calls return the same tensor.
+    Call it inside the same shard_map call.
+
+    Examples:
+        >>> nxt = fs.ppermute(blk, "tp", ring, async_op=True)   # starts the transfer
+        >>> acc = acc + blk @ w                                 # overlaps with it
+        >>> blk = nxt.wait()
+    """
+
+    __slots__ = ("_finish", "_out")
+
+    def __init__(self, finish):
+        self._finish = finish
+        self._out = None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._out = self._finish()
+            self._finish = None
+        return self._out
+
+
+def _no_async_tree(async_op: bool, where: str) -> None:
+    if async_op:
+        raise CollectiveError(
+            f"fs.{where}: async_op=True takes a single tensor, not a pytree; start one per leaf"
+        )
 
 
 def _check_scatter(x, g, dim, tiled, where) -> int:
@@ -394,7 +454,7 @@ def all_to_all(x: _T, axis, split_dim: int, concat_dim: int) -> _T:
     return _vma.tag(_apply(AllToAll, x, g, split_dim, concat_dim), tr, v | bits)
 
 
-def ppermute(x: _T, axis, perm) -> _T:
+def ppermute(x: _T, axis, perm, *, async_op: bool = False):
     """Send ``x`` along ``axis`` by ``perm``, a list of ``(source index, destination index)`` pairs.
 
     An index that no pair sends to receives zeros. Only the ranks in ``perm`` communicate,
@@ -402,12 +462,16 @@ def ppermute(x: _T, axis, perm) -> _T:
     one receive, and a rank that no pair involves does not communicate. The gradient is the
     ppermute with the pairs reversed. ``x`` may be a pytree of tensors (one ppermute per leaf).
 
+    With ``async_op=True`` (a single tensor) the transfer starts and a `Pending` is returned:
+    compute meanwhile, then ``.wait()`` gives the result (the gradient's ppermute is synchronous).
+
     Examples:
         >>> n = fs.axis_size("pp")
         >>> nxt = fs.ppermute(h, "pp", [(i, (i + 1) % n) for i in range(n)])
         >>> h1 = fs.ppermute(h0, "pp", [(0, 1)])   # stage 0 -> stage 1 only
     """
     if not isinstance(x, torch.Tensor):
+        _no_async_tree(async_op, "ppermute")
         return _tree_map(lambda t: ppermute(t, axis, perm), x, axis, "ppermute")
     tr, g, bits, v = _prologue(x, axis, "ppermute")
     try:
@@ -429,6 +493,9 @@ def ppermute(x: _T, axis, perm) -> _T:
             f"fs.ppermute: bad perm {list(pairs)} for axis {axis!r} of size {g.size}: {why}"
         )
     x = _vary(x, tr, v, bits)
+    if async_op:
+        handle = _comm.permute_start(cast(torch.Tensor, x), g, pairs)
+        return Pending(lambda: _vma.tag(_apply(PPermuteDone, x, g, pairs, handle), tr, v | bits))
     return _vma.tag(_apply(PPermute, x, g, pairs), tr, v | bits)
 
 

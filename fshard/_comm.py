@@ -145,26 +145,12 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Ten
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Gather ``t`` from every index along the axes: returns ``[size, *t.shape]``."""
-    with untracked():
-        t = t.contiguous()
-        if g.size == 1:
-            return t.unsqueeze(0)
-        out = torch.empty(g.size * t.numel(), dtype=t.dtype, device=t.device)
-        with _issue("all_gather", g, t):
-            _all_gather_flat(out, t.reshape(-1), group=g.group)
-        return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
+    return all_gather_start(t, g).wait()
 
 
 def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``t`` is ``[size, *block]``; returns the sum over ranks of block ``index``."""
-    with untracked():
-        if g.size == 1:
-            return t[0].clone()
-        t = _to_blocks_order(t, g, inverse=False).contiguous()
-        out = torch.empty(t[0].numel(), dtype=t.dtype, device=t.device)
-        with _issue("reduce_scatter", g, t):
-            _reduce_scatter_flat(out, t.reshape(-1), group=g.group)
-        return out.view(t.shape[1:])
+    return reduce_scatter_start(t, g).wait()
 
 
 def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -179,6 +165,52 @@ def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         return _to_blocks_order(out, g, inverse=True)
 
 
+class Handle:
+    """An asynchronous operation in flight: ``wait()`` blocks until it is done and returns its
+    result (once; later calls return the same result)."""
+
+    __slots__ = ("_works", "_finish", "_result", "_done")
+
+    def __init__(self, works, finish):
+        self._works = works
+        self._finish = finish
+        self._result = None
+        self._done = False
+
+    def wait(self):
+        if not self._done:
+            with torch.no_grad():  # the backend may write results into views of our buffers
+                for work in self._works:
+                    work.wait()
+            self._result = self._finish()
+            self._done = True
+            self._works = ()
+        return self._result
+
+
+def permute_start(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) -> Handle:
+    """Start `permute`; the handle's ``wait()`` returns its result."""
+    with untracked():
+        me = g.index
+        send_to = [d for s, d in perm if s == me and d != me]
+        recv_from = [s for s, d in perm if d == me and s != me]
+        local = any(s == d == me for s, d in perm)
+        if not send_to and not recv_from:
+            if g.size > 1:
+                g.group  # noqa: B018  (a group made on first use is made by every rank: collective)
+            result = t.clone(memory_format=torch.contiguous_format) if local else torch.zeros_like(t)
+            return Handle((), lambda: result)
+        group = g.group
+        flat = t.contiguous()
+        ops = [dist.P2POp(dist.isend, flat, g.global_ranks[d], group) for d in send_to]  # type: ignore[arg-type]
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device) if recv_from else flat
+        ops += [dist.P2POp(dist.irecv, out, g.global_ranks[s], group) for s in recv_from]  # type: ignore[arg-type]
+        with _issue("ppermute", g, flat if send_to else flat.reshape(-1)[:0]):
+            works = dist.batch_isend_irecv(ops)
+            result = out if recv_from else torch.zeros_like(t)  # a sender's zeros: made while sending
+        return Handle(works, lambda: result)
+
+
 def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """Send ``t`` from source index to destination index for each pair; others get zeros.
 
@@ -189,26 +221,44 @@ def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) ->
     process group must involve all of its ranks; an earlier collective over the axis (any
     fshard collective) satisfies that.
     """
+    return permute_start(t, g, perm).wait()
+
+
+def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:
+    """Start `all_gather_blocks`; the handle's ``wait()`` returns ``[size, *t.shape]``."""
     with untracked():
-        me = g.index
-        send_to = [d for s, d in perm if s == me and d != me]
-        recv_from = [s for s, d in perm if d == me and s != me]
-        local = any(s == d == me for s, d in perm)
-        if not send_to and not recv_from:
-            if g.size > 1:
-                g.group  # noqa: B018  (a group made on first use is made by every rank: collective)
-            return t.clone(memory_format=torch.contiguous_format) if local else torch.zeros_like(t)
-        group = g.group
-        flat = t.contiguous()
-        ops = [dist.P2POp(dist.isend, flat, g.global_ranks[d], group) for d in send_to]  # type: ignore[arg-type]
-        out = torch.empty(t.shape, dtype=t.dtype, device=t.device) if recv_from else flat
-        ops += [dist.P2POp(dist.irecv, out, g.global_ranks[s], group) for s in recv_from]  # type: ignore[arg-type]
-        with _issue("ppermute", g, flat if send_to else flat.reshape(-1)[:0]):
-            works = dist.batch_isend_irecv(ops)
-            result = out if recv_from else torch.zeros_like(t)  # a sender's zeros: made while sending
-            for work in works:
-                work.wait()
-        return result
+        t = t.contiguous()
+        if g.size == 1:
+            blocks = t.unsqueeze(0)
+            return Handle((), lambda: blocks)
+        out = torch.empty(g.size * t.numel(), dtype=t.dtype, device=t.device)
+        with _issue("all_gather", g, t), torch.no_grad():
+            work = _all_gather_flat(out, t.reshape(-1), group=g.group, async_op=True)
+
+        def finish():
+            with untracked():
+                return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
+
+        return Handle([work], finish)
+
+
+def reduce_scatter_start(t: torch.Tensor, g: AxisGroup) -> Handle:
+    """Start `reduce_scatter_blocks`; the handle's ``wait()`` returns the reduced block."""
+    with untracked():
+        if g.size == 1:
+            block = t[0].clone()
+            return Handle((), lambda: block)
+        t = _to_blocks_order(t, g, inverse=False).contiguous()
+        out = torch.empty(t[0].numel(), dtype=t.dtype, device=t.device)
+        with _issue("reduce_scatter", g, t), torch.no_grad():
+            work = _reduce_scatter_flat(out, t.reshape(-1), group=g.group, async_op=True)
+        shape = t.shape[1:]
+
+        def finish():
+            with untracked():
+                return out.view(shape)
+
+        return Handle([work], finish)
 
 
 def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:

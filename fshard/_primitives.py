@@ -58,6 +58,10 @@ __all__ = [
     "AllReduceCoalesced",
     "AllGatherCoalesced",
     "ReduceScatterCoalesced",
+    "PPermuteDone",
+    "AllGatherDone",
+    "ReduceScatterDone",
+    "split_blocks",
     "gather_dim",
     "scatter_dim",
     "local_block",
@@ -104,15 +108,19 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 def gather_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
     """All-gather ``x`` along ``dim``: stacked in a new dim, or concatenated when ``tiled``."""
-    blocks = _comm.all_gather_blocks(x, g)  # [N, *x.shape]
+    return _arrange(_comm.all_gather_blocks(x, g), x.shape, g.size, dim, tiled)
+
+
+def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled: bool) -> torch.Tensor:
+    """Gathered ``[N, *shape]`` blocks as the all_gather result along ``dim``."""
     if not tiled:
         return _owned(blocks.movedim(0, dim))
-    shape = list(x.shape)
-    shape[dim] *= g.size
-    return _owned(blocks.movedim(0, dim).reshape(shape))
+    out = list(shape)
+    out[dim] *= n
+    return _owned(blocks.movedim(0, dim).reshape(out))
 
 
-def _split_blocks(x: torch.Tensor, n: int, dim: int, tiled: bool) -> torch.Tensor:
+def split_blocks(x: torch.Tensor, n: int, dim: int, tiled: bool) -> torch.Tensor:
     """``x`` as ``[n, *block]``: block j is the j-th piece of ``dim``."""
     if not tiled:
         return x.movedim(dim, 0)
@@ -123,7 +131,7 @@ def _split_blocks(x: torch.Tensor, n: int, dim: int, tiled: bool) -> torch.Tenso
 
 def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
     """Reduce-scatter ``x`` along ``dim`` (removed, or shrunk by the group size when ``tiled``)."""
-    return _owned(_comm.reduce_scatter_blocks(_split_blocks(x, g.size, dim, tiled), g))
+    return _owned(_comm.reduce_scatter_blocks(split_blocks(x, g.size, dim, tiled), g))
 
 
 def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
@@ -136,7 +144,7 @@ def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.T
 
 def a2a_dim(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
     """Split ``split_dim`` into group-size blocks, exchange them, concatenate along ``concat_dim``."""
-    blocks = _split_blocks(x, g.size, split_dim, True)
+    blocks = split_blocks(x, g.size, split_dim, True)
     got = _comm.all_to_all_blocks(blocks, g)  # [N, *block]; row i came from index i
     shape = list(blocks.shape[1:])
     shape[concat_dim] *= g.size
@@ -382,7 +390,7 @@ def _gather_many(xs, g: AxisGroup, dims, tiled: bool):
 
 def _scatter_many(xs, g: AxisGroup, dims, tiled: bool):
     """``scatter_dim`` of each of ``xs`` (one dtype) along its ``dims`` entry, with one reduce-scatter."""
-    parts = [_split_blocks(x, g.size, dim, tiled) for x, dim in zip(xs, dims)]  # [N, *block] each
+    parts = [split_blocks(x, g.size, dim, tiled) for x, dim in zip(xs, dims)]  # [N, *block] each
     buf = torch.cat([p.reshape(g.size, -1) for p in parts], dim=1)  # [N, total]
     mine = _comm.reduce_scatter_blocks(buf, g)  # [total]
     sizes = [p[0].numel() for p in parts]
@@ -433,3 +441,64 @@ class ReduceScatterCoalesced(torch.autograd.Function):
     def backward(ctx, *cts):
         g, dims, tiled = ctx.args
         return (None, None, None, *apply(AllGatherCoalesced, g, dims, tiled, False, *cts))
+
+
+# -- the ends of asynchronous collectives (``async_op=True``) ------------------------------
+#
+# The communication was started by a ``_comm.*_start`` function and is carried by ``handle``;
+# forward waits for it. The transposes are the synchronous collectives above.
+
+
+class PPermuteDone(torch.autograd.Function):
+    """The end of an asynchronous ppermute; the transpose reverses the pairs."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, perm, handle):
+        return _owned(handle.wait())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g, ctx.perm = inputs[1], inputs[2]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        inverse = tuple((d, s) for s, d in ctx.perm)
+        return apply(PPermute, ct, ctx.g, inverse), None, None, None
+
+
+class AllGatherDone(torch.autograd.Function):
+    """The end of an asynchronous all_gather; the transpose is a reduce-scatter."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, dim, tiled, handle):
+        return _arrange(handle.wait(), x.shape, g.size, dim, tiled)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:4]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        return apply(ReduceScatter, ct, *ctx.args), None, None, None, None
+
+
+class ReduceScatterDone(torch.autograd.Function):
+    """The end of an asynchronous psum_scatter; the transpose is an all-gather."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, g, dim, tiled, handle):
+        return _owned(handle.wait())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:4]
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        return apply(AllGather, ct, *ctx.args), None, None, None, None
