@@ -54,6 +54,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "pvary",
             "axis_index",
             "axis_size",
+            "Pending",
         ],
     ),
     ("Autodiff", "", ["value_and_grad", "grad", "no_sync", "remat"]),
