@@ -22,10 +22,14 @@ Every collective also takes a pytree of tensors (dicts, lists, tuples, ...) and 
 same tree. ``psum``, ``pmean``, ``all_gather`` and ``psum_scatter`` coalesce it: the leaves
 of one dtype (and, for psum, the same varying axes) move in one collective, forward and
 backward; the others apply to each leaf.
+
+The mesh axis is the second argument, or JAX's keyword ``axis_name=``:
+``fs.psum(x, axis_name="dp")`` is ``fs.psum(x, "dp")``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TypeVar, cast
 
@@ -35,7 +39,7 @@ import torch.distributed as dist
 
 from . import _comm, _vma
 from ._comm import untracked
-from ._errors import CollectiveError
+from ._errors import ArgumentError, CollectiveError
 from ._primitives import (
     AllGather,
     AllGatherCoalesced,
@@ -74,6 +78,40 @@ __all__ = [
 
 
 # -- public API ---------------------------------------------------------------------------
+
+
+_UNSET = object()
+
+
+def _is_number(x) -> bool:
+    """A plain Python number (the same on every rank; not a tracked `VaryingInt`)."""
+    return type(x) is int or type(x) is float
+
+
+def _axis_name_alias(fn):
+    """Accept JAX's keyword ``axis_name=`` for the mesh axis (``axis``), given once."""
+    name = fn.__name__
+    pos = 0 if name in ("axis_index", "axis_size") else 1
+
+    @functools.wraps(fn)
+    def inner(*args, axis_name=_UNSET, **kwargs):
+        if axis_name is not _UNSET:
+            if len(args) > pos or "axis" in kwargs:
+                axis = args[pos] if len(args) > pos else kwargs["axis"]
+                if isinstance(axis, int) and not isinstance(axis, bool):
+                    raise ArgumentError(
+                        f"fs.{name}: axis={axis} is a tensor dim in JAX's spelling; fshard calls it "
+                        f"dim= and takes the mesh axis as axis_name= or the second argument: "
+                        f"fs.{name}(x, {axis_name!r}, dim={axis})"
+                    )
+                raise ArgumentError(
+                    f"fs.{name}: the mesh axis is given twice ({axis!r} and axis_name={axis_name!r}); "
+                    f"give it once, as fs.{name}(x, {axis_name!r}) or fs.{name}(x, axis_name={axis_name!r})"
+                )
+            kwargs["axis"] = axis_name
+        return fn(*args, **kwargs)
+
+    return inner
 
 
 def _prologue(x, axis, where: str):
@@ -144,6 +182,7 @@ def _mul_untracked(x, k):
         return x * k
 
 
+@_axis_name_alias
 def psum(x: _T, axis) -> _T:
     """Sum ``x`` over mesh axis ``axis`` (a name or a tuple of names).
 
@@ -156,11 +195,15 @@ def psum(x: _T, axis) -> _T:
         ... def matmul(a, b):
         ...     return fs.psum(a @ b, "tp")
 
-    ``x`` may be a pytree of tensors: the leaves of one dtype go in one all-reduce.
+    ``x`` may be a pytree of tensors: the leaves of one dtype go in one all-reduce. A Python
+    number is the same on every rank: ``fs.psum(1, "dp")`` is the size of ``dp``, as in JAX.
 
     Examples:
         >>> grads = fs.psum({"w": gw, "b": gb}, "dp")   # one all-reduce for both
+        >>> n = fs.psum(1, "dp")                        # the axis size, no communication
     """
+    if _is_number(x):  # JAX's psum(1, axis): the axis size
+        return x * axis_size(axis)
     if not isinstance(x, torch.Tensor):
         return _psum_tree(x, axis, "psum")
     tr, g, bits, v = _prologue(x, axis, "psum")
@@ -196,6 +239,7 @@ def _psum_tree(tree, axis, where: str):
     return optree.tree_unflatten(treedef, out)
 
 
+@_axis_name_alias
 def pmean(x: _T, axis) -> _T:
     """Mean of ``x`` over mesh axis ``axis``: ``psum(x, axis) / axis_size(axis)``.
 
@@ -203,6 +247,9 @@ def pmean(x: _T, axis) -> _T:
         >>> loss = fs.pmean(local_loss, "dp")
         >>> metrics = fs.pmean({"loss": loss, "acc": acc}, "dp")   # one all-reduce
     """
+    if _is_number(x):  # the same number on every rank
+        axis_size(axis)  # checks the axis
+        return x
     if not isinstance(x, torch.Tensor):
         return _pmean_tree(x, axis)
     _, g, _, _ = _prologue(x, axis, "pmean")
@@ -232,6 +279,7 @@ def _extremum(x, axis, op, where):
     return _vma.tag(y, tr, v & ~bits)
 
 
+@_axis_name_alias
 def pmax(x: _T, axis) -> _T:
     """Elementwise maximum over ``axis``; invariant over ``axis``.
 
@@ -247,6 +295,7 @@ def pmax(x: _T, axis) -> _T:
     return _extremum(x, axis, dist.ReduceOp.MAX, "pmax")
 
 
+@_axis_name_alias
 def pmin(x: _T, axis) -> _T:
     """Elementwise minimum over ``axis``; invariant over ``axis``. Gradient as `pmax`.
 
@@ -258,6 +307,7 @@ def pmin(x: _T, axis) -> _T:
     return _extremum(x, axis, dist.ReduceOp.MIN, "pmin")
 
 
+@_axis_name_alias
 def all_gather(
     x: _T, axis, dim: int = 0, tiled: bool = False, *, invariant: bool = False, async_op: bool = False
 ):
@@ -336,6 +386,7 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
     return optree.tree_unflatten(treedef, out)
 
 
+@_axis_name_alias
 def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bool = False):
     """Sum ``x`` over ``axis`` and keep this rank's block along ``dim`` (a reduce-scatter).
 
@@ -434,6 +485,7 @@ def _psum_scatter_tree(tree, axis, dim, tiled):
     return optree.tree_unflatten(treedef, out)
 
 
+@_axis_name_alias
 def all_to_all(x: _T, axis, split_dim: int, concat_dim: int) -> _T:
     """Cut ``split_dim`` into axis-size blocks, send block j to index j, concatenate along ``concat_dim``.
 
@@ -454,6 +506,7 @@ def all_to_all(x: _T, axis, split_dim: int, concat_dim: int) -> _T:
     return _vma.tag(_apply(AllToAll, x, g, split_dim, concat_dim), tr, v | bits)
 
 
+@_axis_name_alias
 def ppermute(x: _T, axis, perm, *, async_op: bool = False):
     """Send ``x`` along ``axis`` by ``perm``, a list of ``(source index, destination index)`` pairs.
 
@@ -499,6 +552,7 @@ def ppermute(x: _T, axis, perm, *, async_op: bool = False):
     return _vma.tag(_apply(PPermute, x, g, pairs), tr, v | bits)
 
 
+@_axis_name_alias
 def pbroadcast(x: _T, axis, src: int = 0) -> _T:
     """Every index along ``axis`` gets the value of index ``src``; the result is invariant over ``axis``.
 
@@ -519,6 +573,7 @@ def pbroadcast(x: _T, axis, src: int = 0) -> _T:
     return _vma.tag(_apply(Broadcast, x, g, src), tr, v & ~bits)
 
 
+@_axis_name_alias
 def pvary(x: _T, axis) -> _T:
     """Mark an invariant ``x`` as varying over ``axis`` (identity; gradient is a ``psum``).
 
@@ -542,6 +597,7 @@ def _view(x):
         return x.view_as(x)
 
 
+@_axis_name_alias
 def axis_index(axis) -> torch.Tensor:
     """This rank's index along ``axis`` as a 0-dim int64 tensor that varies over ``axis``.
 
@@ -555,6 +611,7 @@ def axis_index(axis) -> torch.Tensor:
     return _vma.tag(t, tr, tr.mesh.bits(g.names))
 
 
+@_axis_name_alias
 def axis_size(axis) -> int:
     """The size of ``axis`` (product of sizes for a tuple), as a Python int.
 

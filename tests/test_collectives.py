@@ -601,7 +601,7 @@ def _rank_collective_errors():
         "twice": lambda x: fs.psum(x, ("dp", "dp")),
         "bad_axis_type": lambda x: fs.psum(x, 3),
         "axis_index_unknown": lambda x: x + fs.axis_index("pd"),
-        "not_tensor": lambda x: fs.psum(3.0, "dp"),
+        "not_tensor": lambda x: fs.psum("3.0", "dp"),  # (a Python number is fine: psum(1, "dp"))
         "scatter_nondiv": lambda x: fs.psum_scatter(x, "tp", dim=1, tiled=True),
         "scatter_untiled": lambda x: fs.psum_scatter(x, "tp", dim=1),
         "a2a_dim": lambda x: fs.all_to_all(x, "tp", split_dim=2, concat_dim=0),
@@ -631,7 +631,7 @@ def test_collective_errors_inside_shard_map():
         "bad_axis_type": "fs.psum: axis must be a mesh axis name or a tuple of names, got 3; "
         "mesh axes are ('dp', 'tp')",
         "axis_index_unknown": "fs.axis_index: 'pd' is not an axis of Mesh(dp=2, tp=2) (did you mean 'dp'?)",
-        "not_tensor": "fs.psum expects a torch.Tensor or a pytree of tensors, got float",
+        "not_tensor": "fs.psum expects a torch.Tensor or a pytree of tensors, got str",
         "scatter_nondiv": "fs.psum_scatter: dim 1 of shape (2, 3) has size 3, which the axis size 2 does "
         "not divide; pad it to 4",
         "scatter_untiled": "fs.psum_scatter: with tiled=False dim 1 must have the axis size 2, but x has "
