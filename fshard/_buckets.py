@@ -191,8 +191,8 @@ def _reduce_buckets(pending: dict, twins: list, grads: list, dtypes: list, bucke
 
 def _launch(g: AxisGroup, bucket: list[int], twins: list):
     flat = torch.cat([twins[i].reshape(-1) for i in bucket])
-    _comm._record("all_reduce", g, flat)
-    work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
+    with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
+        work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
     return work, flat, bucket
 
 
