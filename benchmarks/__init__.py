@@ -14,6 +14,8 @@ Layout:
 * ``contenders.py`` -- one function per contender per benchmark + the ``CONTENDERS`` registry
                       and the benchmark cases (sizes, step counts).
 * ``fshard_contenders.py`` -- where the fshard contenders go (one function per benchmark).
+* ``gpt.py``       -- the demo's GPT (``fshard_demo.model``) benchmarks: weights, data, the plain-torch
+                      reference, the ``nn.Module`` and the torch contenders (floor, DDP, FSDP2, DTensor).
 * ``timing.py``    -- interleaved timing (wall + main-thread CPU), collective counting, memory.
 * ``report.py``    -- RESULTS.md and results.png.
 * ``run.py``       -- the entry point: spawns the ranks, runs everything, writes the report.

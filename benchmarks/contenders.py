@@ -452,6 +452,21 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The demo's GPT (one tensor per parameter; benchmarks/gpt.py): the hand-written floor, the torch-native
+# recipe of the layout, and fshard: default bucket_mb, bucket_mb=0, and (in the data-parallel layouts,
+# where buckets apply) the demo's own step, value_and_grad inside shard_map.
+_G = "benchmarks.gpt:"
+GPT_NATIVE = {"gpt_dp": "ddp", "gpt_fsdp": "fsdp2", "gpt_dp_tp": "dtensor_tp_ddp", "gpt_fsdp_tp": "fsdp2_tp"}
+for _bench, _native in GPT_NATIVE.items():
+    CONTENDERS[_bench] = {
+        "handwritten": _G + "handwritten",
+        _native: _G + _native,
+        "fshard": _F + "gpt_fshard",
+        "fshard_nobucket": _F + "gpt_fshard_nobucket",
+    }
+    if not _bench.startswith("gpt_fsdp"):
+        CONTENDERS[_bench]["fshard_vg"] = _F + "gpt_fshard_vg"
+
 
 class Unavailable(Exception):
     """A contender that is not there (yet): reported as n/a, never an error."""
@@ -512,7 +527,8 @@ BENCHES: dict[str, Bench] = {
         "2 all_reduce of batch x hidden fp32 (output in forward, input grad in backward)",
     ),
     "dp_mlp": Bench(
-        "Data-parallel MLP step (forward + backward + Adam)",
+        "Data-parallel MLP step (forward + backward + Adam); flat-vector floor: every contender keeps the "
+        "parameters as one flat vector (fshard too), which no user writes -- see the GPT benchmarks",
         "adam",
         "handwritten",
         ("ddp",),
@@ -520,7 +536,8 @@ BENCHES: dict[str, Bench] = {
         "1 all_reduce of all gradients (fp32)",
     ),
     "fsdp_mlp": Bench(
-        "FSDP MLP step (forward + backward + Adam), one unit",
+        "FSDP MLP step (forward + backward + Adam), one unit; flat-vector floor: every contender keeps the "
+        "parameters as one flat vector (fshard too), which no user writes -- see the GPT benchmarks",
         "adam",
         "handwritten",
         ("fsdp2",),
@@ -536,6 +553,40 @@ BENCHES: dict[str, Bench] = {
         "no communication",
     ),
 }
+
+
+def _gpt_min_comm(layout: str) -> Callable[[dict, int], tuple[int, int]]:
+    def f(p: dict, w: int) -> tuple[int, int]:
+        from . import gpt
+
+        return gpt.min_comm(layout, p, w)
+
+    return f
+
+
+_GPT_TITLES = {
+    "gpt_dp": "GPT, data parallel (replicated parameters, batch split over dp)",
+    "gpt_fsdp": "GPT, FSDP (every parameter split over dp, all-gathered for use)",
+    "gpt_dp_tp": "GPT, data x tensor parallel (Megatron heads / MLP split over tp, batch over dp)",
+    "gpt_fsdp_tp": "GPT, FSDP x tensor parallel",
+}
+_GPT_DOCS = {
+    "gpt_dp": "dp: 1 all_reduce of all gradients",
+    "gpt_fsdp": "dp: 1 all_gather of all parameters + 1 reduce_scatter of all gradients",
+    "gpt_dp_tp": "dp: 1 all_reduce of the tp-local gradients; tp: 2 all_reduce of activations per block "
+    "forward, 2 backward",
+    "gpt_fsdp_tp": "dp: 1 all_gather + 1 reduce_scatter of the tp-local parameters / gradients; tp: 2 "
+    "all_reduce of activations per block forward, 2 backward",
+}
+for _bench, _native in GPT_NATIVE.items():
+    BENCHES[_bench] = Bench(
+        _GPT_TITLES[_bench] + ", one step: forward + backward + gradient collectives (no optimizer)",
+        None,
+        "handwritten",
+        (_native,),
+        _gpt_min_comm(_bench.removeprefix("gpt_")),
+        _GPT_DOCS[_bench] + " (fp32; nothing over an axis of size 1)",
+    )
 
 
 @dataclass(frozen=True)
@@ -558,6 +609,17 @@ class MemCase:
     params: dict = field(hash=False)
 
 
+def skip_reason(case: Case, world: int, smoke: bool) -> str | None:
+    """Why a case is not run at ``world`` (None: it is). On 2 ranks the *_tp layouts have the mesh
+    dp=1 x tp=2, where fsdp x tp is the same computation as dp x tp: timed once, as dp x tp."""
+    if case.bench == "gpt_fsdp_tp" and not smoke:
+        from . import gpt
+
+        if gpt.mesh_shape("fsdp_tp", world)[0] == 1:
+            return "mesh dp=1 x tp=2: nothing to shard over dp, the same computation as gpt_dp_tp"
+    return None
+
+
 def cases(smoke: bool) -> list[Case]:
     if smoke:
         return [
@@ -566,17 +628,27 @@ def cases(smoke: bool) -> list[Case]:
             Case("fsdp_mlp", {"hidden": 64, "batch": 8}, warmup=2, steps=6, rounds=2),
             Case("shard_map_overhead", {"n_inputs": 1, "rows": 4, "cols": 4}, warmup=2, steps=20, rounds=2),
             Case("shard_map_overhead", {"n_inputs": 16, "rows": 4, "cols": 4}, warmup=2, steps=20, rounds=2),
+            *(Case(b, {"model": "tiny", "batch": 8}, warmup=1, steps=4, rounds=2) for b in GPT_NATIVE),
         ]
+    # step counts keep a `--world 2 4` run within about 15 minutes on a 2-core machine
     return [
-        Case("tp_mlp", {"hidden": 256, "batch": 8}, warmup=30, steps=600, rounds=6),
-        Case("tp_mlp", {"hidden": 1024, "batch": 64}, warmup=6, steps=120, rounds=6),
-        Case("dp_mlp", {"hidden": 512, "batch": 64}, warmup=6, steps=120, rounds=6),
-        Case("fsdp_mlp", {"hidden": 512, "batch": 64}, warmup=6, steps=120, rounds=6),
-        Case("shard_map_overhead", {"n_inputs": 1, "rows": 8, "cols": 8}, warmup=100, steps=3000, rounds=6),
-        Case("shard_map_overhead", {"n_inputs": 16, "rows": 8, "cols": 8}, warmup=100, steps=3000, rounds=6),
+        Case("tp_mlp", {"hidden": 256, "batch": 8}, warmup=20, steps=300, rounds=6),
+        Case("tp_mlp", {"hidden": 1024, "batch": 64}, warmup=4, steps=60, rounds=6),
+        Case("dp_mlp", {"hidden": 512, "batch": 64}, warmup=4, steps=60, rounds=6),
+        Case("fsdp_mlp", {"hidden": 512, "batch": 64}, warmup=4, steps=60, rounds=6),
+        Case("shard_map_overhead", {"n_inputs": 1, "rows": 8, "cols": 8}, warmup=50, steps=1500, rounds=6),
+        Case("shard_map_overhead", {"n_inputs": 16, "rows": 8, "cols": 8}, warmup=50, steps=1500, rounds=6),
+        *(Case(b, {"model": "demo", "batch": 64}, warmup=2, steps=20, rounds=4) for b in GPT_NATIVE),
+        *(Case(b, {"model": "10x", "batch": 32}, warmup=2, steps=10, rounds=5) for b in GPT_NATIVE),
     ]
 
 
 def mem_cases(smoke: bool) -> list[MemCase]:
     p = {"hidden": 64, "batch": 8} if smoke else {"hidden": 512, "batch": 64}
-    return [MemCase("replicated", "dp_mlp", p), MemCase("fsdp", "fsdp_mlp", p), MemCase("tp", "tp_mlp", p)]
+    g = {"model": "tiny", "batch": 8} if smoke else {"model": "10x", "batch": 32}
+    return [
+        MemCase("replicated", "dp_mlp", p),
+        MemCase("fsdp", "fsdp_mlp", p),
+        MemCase("tp", "tp_mlp", p),
+        MemCase("GPT fsdp", "gpt_fsdp", g),
+    ]

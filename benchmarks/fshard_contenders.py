@@ -32,6 +32,11 @@ dp_mlp (hidden, batch = global batch; Adam)
 fsdp_mlp (hidden, batch; Adam)
     Like dp_mlp, but parameters, gradients and optimizer state sharded 1/world per rank. Minimum: one
     all_gather of the parameters, one reduce_scatter of the gradients.
+gpt_dp, gpt_fsdp, gpt_dp_tp, gpt_fsdp_tp (model, batch; no optimizer when timing)
+    The demo's GPT (``benchmarks/gpt.py``): ``gpt_fshard`` runs ``fshard_demo.model.loss_fn`` under
+    ``fs.shard_map`` with the layout's ``param_specs`` and calls ``loss.backward()`` (default ``bucket_mb``);
+    ``gpt_fshard_nobucket`` the same with ``bucket_mb=0``; ``gpt_fshard_vg`` the demo's own step
+    (``fs.value_and_grad`` inside ``fs.shard_map``). Minimum: see ``gpt.min_comm``.
 shard_map_overhead (n_inputs, rows, cols)
     ``common.trivial_fn`` (x -> 2x for each input) through shard_map over ``n_inputs`` inputs
     ``ctx.data["in/<i>"]`` sharded along dim 0; ``step()`` returns the outputs. Measures the per-call
@@ -215,4 +220,112 @@ def shard_map_overhead_fshard(ctx: Ctx) -> Prepared:
     def values(outs):
         return {f"out/{i}": o.full() for i, o in enumerate(outs)}
 
+    return Prepared(step, values)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The demo's GPT (benchmarks/gpt.py): its loss under fs.shard_map with the layout's specs
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _gpt_setup(ctx: Ctx):
+    """The layout's specs, Sharded parameters (leaf locals that collect .grad) and the fshard mesh."""
+    from fshard_demo.model import fsdp_dims, param_specs
+
+    from . import gpt
+
+    su = gpt.Setup(ctx)
+    key = ("gpt", su.dp, su.tp)
+    m = _MESHES.get(key)
+    if m is None or m[0] is not su.dm:
+        m = _MESHES[key] = (su.dm, fs.Mesh.from_device_mesh(su.dm))
+    mesh = m[1]
+    specs = param_specs(su.cfg, su.layout)
+    flat_specs = gpt.from_tree(specs, su.cfg)
+    flat = {}
+    for n in gpt.names(su.cfg):
+        s = fs.shard(ctx.weights[n], mesh, flat_specs[n])
+        flat[n] = fs.Sharded(_param(s.local), mesh, s.layout)
+    return su, mesh, specs, fsdp_dims(specs), flat
+
+
+def _gpt_values(ctx: Ctx, su, grads):
+    from . import gpt
+
+    def values(loss):
+        out = {"loss": gpt._loss_value(ctx, loss)}
+        out.update({f"grad/{n}": g.full() if isinstance(g, fs.Sharded) else g for n, g in grads().items()})
+        return out
+
+    return values
+
+
+def _gpt_backward(ctx: Ctx, bucket_mb: float | None) -> Prepared:
+    """``loss = shard_map(loss_fn)(params, tokens); loss.backward()``: gradients land in each parameter's
+    local ``.grad`` (the data-parallel ones reduced in buckets of ``bucket_mb``)."""
+    from fshard_demo.model import loss_fn
+
+    from . import gpt
+
+    su, mesh, specs, dims, flat = _gpt_setup(ctx)
+    cfg = su.cfg
+    params = gpt.to_tree(flat, cfg)
+    locals_ = [p.local for p in flat.values()]
+    opt = ctx.make_optimizer(locals_)
+    kw = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+    f = fs.shard_map(
+        lambda p, t: loss_fn(p, t, cfg, dims), mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs="", **kw
+    )
+    tokens = su.tokens
+
+    def step():
+        for t in locals_:
+            t.grad = None
+        loss = f(params, tokens)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return loss
+
+    values = _gpt_values(ctx, su, lambda: {n: p.grad for n, p in flat.items()})
+    return Prepared(step, values, lambda: ctx.memory_state(locals_, opt))
+
+
+def gpt_fshard(ctx: Ctx) -> Prepared:
+    """The demo's loss under ``fs.shard_map`` (default ``bucket_mb``), ``loss.backward()``."""
+    return _gpt_backward(ctx, None)
+
+
+def gpt_fshard_nobucket(ctx: Ctx) -> Prepared:
+    """The same with ``bucket_mb=0``: one gradient all-reduce per parameter, as backward reaches it."""
+    return _gpt_backward(ctx, 0)
+
+
+def gpt_fshard_vg(ctx: Ctx) -> Prepared:
+    """The demo's own step (``fshard_demo.train.make_train_step`` without the optimizer):
+    ``fs.value_and_grad(loss_fn)`` inside ``fs.shard_map``, gradients returned with the parameters' specs."""
+    from fshard_demo.model import loss_fn
+
+    from . import gpt
+
+    su, mesh, specs, dims, flat = _gpt_setup(ctx)
+    cfg = su.cfg
+    params = gpt.to_tree({n: p.detach() for n, p in flat.items()}, cfg)
+    if ctx.optim is not None:
+        raise NotImplementedError("the value_and_grad step returns gradients; no torch optimizer here")
+    grad_step = fs.shard_map(
+        lambda p, t: fs.value_and_grad(loss_fn)(p, t, cfg, dims),
+        mesh=mesh,
+        in_specs=(specs, "(dp b) t"),
+        out_specs=("", specs),
+    )
+    tokens = su.tokens
+    last: dict = {}
+
+    def step():
+        loss, grads = grad_step(params, tokens)
+        last["grads"] = grads
+        return loss
+
+    values = _gpt_values(ctx, su, lambda: gpt.from_tree(last["grads"], cfg))
     return Prepared(step, values)

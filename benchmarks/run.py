@@ -13,10 +13,12 @@ import dataclasses
 import datetime
 import gc
 import json
+import logging
 import os
 import platform
 import shlex
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +59,21 @@ def machine_info() -> dict[str, Any]:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
+    commit, dirty = None, None
+    try:
+        root = HERE.parent
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", "fshard"], cwd=root, capture_output=True, text=True
+        ).stdout
+        dirty = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
     return {
+        "commit": commit,
+        "dirty": dirty,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "usable_cores": usable,
@@ -102,6 +118,11 @@ def _case_inputs(bench: str, params: dict, world: int):
 
     if bench == "shard_map_overhead":
         return {}, make_overhead_data(params["n_inputs"], params["rows"] * world, params["cols"])
+    if bench.startswith("gpt_"):
+        from . import gpt
+
+        cfg = gpt.cfg_of(params)
+        return gpt.make_weights(cfg), gpt.make_tokens(cfg, params["batch"])
     return make_weights(params["hidden"]), make_mlp_data(params["hidden"], params["batch"])
 
 
@@ -148,7 +169,12 @@ def _verify_case(env, case, tol: float, only) -> dict:
     rank, world, group, _ = env
     optim = "sgd" if BENCHES[case.bench].optim else None
     weights, data = _case_inputs(case.bench, case.params, world)
-    ref = reference_values(case.bench, weights, data, optim)
+    if case.bench.startswith("gpt_"):
+        from . import gpt
+
+        ref = gpt.reference_values(weights, data, gpt.cfg_of(case.params))
+    else:
+        ref = reference_values(case.bench, weights, data, optim)
     preps, statuses = _build_all(env, case.bench, case.params, optim, weights, data, only)
     res = {}
     for name, status in statuses.items():
@@ -238,10 +264,21 @@ def _time_case(env, case, only) -> dict:
             "comm": per_rank[0]["comm"],
             "comm_max_count": max(r["comm"]["count"] for r in per_rank),
         }
+    extra = {}
+    if case.bench.startswith("gpt_"):
+        from . import gpt
+
+        cfg = gpt.cfg_of(case.params)
+        dp, tp = gpt.mesh_shape(gpt.layout_of(case.bench), env[1])
+        extra = {
+            "mesh": {"dp": dp, "tp": tp},
+            "model": {"n_params": cfg.n_params, "tensors": len(gpt.names(cfg))},
+        }
     return {
         "bench": case.bench,
         "label": case.label,
         "params": case.params,
+        **extra,
         "phase_seconds": phases,
         "min_comm": list(bench.min_comm(case.params, env[1])),
         "contenders": out,
@@ -326,6 +363,10 @@ def _memory_case(env, mcase, only) -> dict:
 
 def memory_minimum(mcase, world: int) -> dict[str, int]:
     """Bytes per rank of params / grads / Adam state a perfect implementation of the layout keeps."""
+    if mcase.bench.startswith("gpt_"):
+        from . import gpt
+
+        return gpt.memory_minimum(gpt.layout_of(mcase.bench), mcase.params, world)
     h = mcase.params["hidden"]
     big = 2 * 4 * h * h + 4 * h  # 0.weight, 0.bias, 2.weight
     n = {"replicated": big + h, "fsdp": -(-(big + h) // world), "tp": big // world + h}[mcase.layout]
@@ -338,6 +379,8 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, out_path: str) -> N
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
+    # DTensor logs a warning when gathering a 2-D sharded parameter in two steps (verify only)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)
@@ -371,7 +414,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict, out_path: str) -> N
 
 
 def _run_rank(env, opts) -> dict:
-    from .contenders import cases, mem_cases
+    from .contenders import cases, mem_cases, skip_reason
 
     rank, world = env[0], env[1]
     only_b, only_c = set(opts["bench"] or []), set(opts["contenders"] or [])
@@ -386,7 +429,15 @@ def _run_rank(env, opts) -> dict:
             for c in sel
         ]
     msel = [m for m in mem_cases(opts["smoke"]) if not only_b or m.bench in only_b]
-    result: dict[str, Any] = {"world": world, "verify": [], "cases": [], "memory": []}
+    result: dict[str, Any] = {"world": world, "verify": [], "cases": [], "memory": [], "skipped": []}
+    kept = []
+    for c in sel:
+        why = skip_reason(c, world, opts["smoke"])
+        if why is None:
+            kept.append(c)
+        else:
+            result["skipped"].append({"bench": c.bench, "label": c.label, "why": why})
+    sel = kept
     t0 = time.perf_counter()
 
     if opts["verify"]:

@@ -155,10 +155,25 @@ def _defer_to_subclass(t) -> bool:
 def count_comms(prep: Prepared, group=None) -> dict[str, Any]:
     """Collectives of one step (after warm-up, so lazy one-time set-up traffic is not counted)."""
     dist.barrier(group=group)
-    with CommCounter() as c:
+    fs_counts = None
+    with contextlib.ExitStack() as stack:
+        try:  # fshard's own record of what it issued (forward and backward), next to the dispatcher's
+            import fshard
+
+            fs_counts = stack.enter_context(fshard.count_collectives())
+        except ImportError:
+            pass
+        c = stack.enter_context(CommCounter())
         prep.step()
     dist.barrier(group=group)
-    return {"count": c.count, "bytes": c.bytes, "ops": dict(sorted(c.ops.items()))}
+    out: dict[str, Any] = {"count": c.count, "bytes": c.bytes, "ops": dict(sorted(c.ops.items()))}
+    if fs_counts is not None and fs_counts.total:
+        out["fshard"] = {
+            "count": fs_counts.total,
+            "bytes": fs_counts.bytes,
+            "kinds": {f"{k}[{','.join(a)}]": n for (k, a), n in sorted(fs_counts.by_kind().items())},
+        }
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
