@@ -229,5 +229,5 @@ def wrap(
         if masks[i]:
             tag(vis, tr, masks[i])
         out[i] = vis
-        tr.twins[id(vis)] = (vis, twin, k, state)
+        tr.twins[id(vis)] = [vis, twin, k, state, None]
     return out

@@ -19,6 +19,7 @@ import itertools
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
 from ._primitives import Pvary, apply
@@ -106,6 +107,35 @@ def tag(t, tr: Trace, bits: int):
     return t
 
 
+def _derive_twin(tr: Trace, func, args, kwargs, out) -> None:
+    """``out`` is an invariant function of one tensor behind a GradBoundary (``w.T``, ``w[:s]``,
+    ``w.to(bf16)``, ``w * 2``): register the same function of that tensor's twin, made only if
+    ``out`` is ever cast with pvary. Its gradient then reaches the twin unreduced and is summed
+    in the bucket: exact, since the function is the same on every rank (so is its transpose)."""
+    src = None
+    for a in args:
+        if isinstance(a, _Tensor):
+            hit = tr.twins.get(id(a))
+            if hit is not None and hit[0] is a:
+                if src is not None:
+                    return  # two tensors behind the boundary: their gradients stay separate
+                src = a
+    if src is not None:
+        base = tr.twins[id(src)]
+        tr.twins[id(out)] = [out, None, base[2], base[3], (src, func, args, kwargs)]
+
+
+def _twin_of(tr: Trace, entry) -> torch.Tensor:
+    """The twin of a twins entry, derived (and kept) on first use."""
+    if entry[1] is None:
+        src, func, args, kwargs = entry[4]
+        base = _twin_of(tr, tr.twins[id(src)])
+        args = tuple(base if a is src else a for a in args)
+        with untracked():
+            entry[1] = func(*args, **kwargs) if kwargs else func(*args)
+    return entry[1]
+
+
 def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     """Cast ``x`` (varying over ``have``) to vary over ``want``; cached within the trace."""
     missing = want & ~have
@@ -118,9 +148,10 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
     twin = tr.twins.get(id(x)) if tr.twins else None
     if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
-        # a tensor behind a GradBoundary: its twin is the cast, reduced there in buckets
+        # a tensor behind a GradBoundary (or an invariant function of one): its twin is the
+        # cast, and its gradient is reduced in the boundary's buckets
         twin[3].groups[twin[2]] = g
-        out = twin[1]
+        out = _twin_of(tr, twin)
     else:
         out = apply(Pvary, x, g)
     tag(out, tr, have | missing)
@@ -236,6 +267,8 @@ class VmaMode(TorchFunctionMode):
                 _tag_out(out, tr, union)
             if kind is _INPLACE and args and isinstance(args[0], _Tensor):
                 setattr(args[0], _ATTR, (tid, union))
+        elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
+            _derive_twin(tr, func, args, kwargs, out)
         return out
 
 

@@ -199,3 +199,59 @@ def test_mixed_precision_against_one_process_with_the_same_casts(reduce_dtype):
             assert grads[k].dtype == torch.float32
             torch.testing.assert_close(grads[k], ref[k], rtol=3e-2, atol=3e-2, msg=k)
         assert records == [("all_reduce", ("dp",), nbytes)]
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters first used through a view or another invariant function still go in the bucket
+
+
+def _rank_derived(X, bucket_mb):
+    mesh = fs.Mesh(dp=4)
+    g = torch.Generator().manual_seed(5)
+    params = {
+        "w": (torch.randn(6, 6, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True),
+        "pos": (torch.randn(10, 6, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True),
+        "scale": torch.ones(6, dtype=torch.float64, requires_grad=True),
+    }
+
+    def f(p, x):
+        s = x.shape[1]
+        h = x + p["pos"][:s]  # a slice of the table (as GPT's wpe[:s])
+        h = torch.tanh(h @ p["w"].T)  # the transpose
+        h = h * (p["scale"] * 2.0)  # an invariant function of the parameter
+        return fs.pmean(h.pow(2).mean(), "dp")
+
+    step = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) s d"), out_specs="", bucket_mb=bucket_mb)
+    loss = step(params, X)
+    with fs.count_collectives() as bwd:
+        loss.backward()
+    return loss.detach(), {k: v.grad for k, v in params.items()}, bwd.records
+
+
+def test_views_and_functions_of_parameters_are_bucketed():
+    X = torch.randn(8, 5, 6, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    p = {
+        "w": (torch.randn(6, 6, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True),
+        "pos": (torch.randn(10, 6, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True),
+        "scale": torch.ones(6, dtype=torch.float64, requires_grad=True),
+    }
+    h = torch.tanh((X + p["pos"][:5]) @ p["w"].T) * (p["scale"] * 2.0)
+    ref_loss = h.pow(2).mean()
+    ref = dict(zip(p, torch.autograd.grad(ref_loss, list(p.values()))))
+    nbytes = (36 + 60 + 6) * 8
+    for bucket_mb, want in ((25.0, [("all_reduce", ("dp",), nbytes)]), (0, None)):
+        for loss, grads, records in run_ranks(4, _rank_derived, X, bucket_mb):
+            torch.testing.assert_close(loss, ref_loss.detach())
+            for k in ref:
+                torch.testing.assert_close(grads[k], ref[k], msg=k)
+            if want is not None:
+                assert records == want  # one bucket, the parameters' full sizes
+            else:  # per use: the slice (5 rows of pos), the transpose, the scaled vector
+                assert sorted(records) == sorted(
+                    [
+                        ("all_reduce", ("dp",), 30 * 8),
+                        ("all_reduce", ("dp",), 36 * 8),
+                        ("all_reduce", ("dp",), 6 * 8),
+                    ]
+                )

@@ -596,7 +596,7 @@ def _rank_tree_collective_errors():
     mesh = fs.Mesh(dp=2, tp=2)
     calls = {
         "leaf": lambda x: fs.psum({"x": x, "n": 3}, "tp"),
-        "bare": lambda x: fs.psum(3.0, "tp"),
+        "bare": lambda x: fs.psum(b"3", "tp"),
         "dim": lambda x: fs.all_gather({"x": x, "v": x[0]}, "tp", dim=2),
         "scatter": lambda x: fs.psum_scatter([x, x[:, :1]], "tp", dim=1, tiled=True),
         "axis": lambda x: fs.all_gather([x], "tpp"),
@@ -617,7 +617,7 @@ def _rank_tree_collective_errors():
 def test_tree_collective_errors():
     expected = {
         "leaf": "fs.psum expects a torch.Tensor or a pytree of tensors, got int at x['n']",
-        "bare": "fs.psum expects a torch.Tensor or a pytree of tensors, got float",
+        "bare": "fs.psum expects a torch.Tensor or a pytree of tensors, got bytes",
         "dim": "fs.all_gather at x['v']: dim=2 is out of range for a tensor of 2 dims",
         "scatter": "fs.psum_scatter at x[1]: dim 1 of shape (2, 1) has size 1, which the axis size 2 does "
         "not divide; pad it to 2",
