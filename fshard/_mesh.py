@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import keyword
 import math
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from ._env import collective_timeout
 from ._errors import CollectiveError, MeshError, did_you_mean
+from ._spec import is_valid_name
 
 __all__ = ["Mesh"]
 
@@ -143,13 +143,7 @@ class Mesh:
         if not spec:
             raise MeshError("a mesh needs at least one axis, for example fs.Mesh(dp=2)")
         for name, size in spec.items():
-            if (
-                not isinstance(name, str)
-                or not name.isidentifier()
-                or keyword.iskeyword(name)
-                or name.startswith("_")
-                or name.endswith("_")
-            ):
+            if not is_valid_name(name):
                 raise MeshError(
                     f"mesh axis name {name!r} cannot appear in a spec: use a Python identifier that is "
                     f"not a keyword and does not start or end with '_'"

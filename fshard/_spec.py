@@ -251,8 +251,23 @@ def _tokens(text: str, start: int, end: int, fail: _Fail, hint: str) -> Iterator
             fail(i, f'unexpected character "{_show(char)}"', hint)
 
 
+def is_valid_name(name) -> bool:
+    """The one rule for names in specs, shared with mesh axis names: a Python identifier that
+    is not a keyword and neither starts nor ends with ``_`` (einops' rule)."""
+    return (
+        isinstance(name, str)
+        and name.isidentifier()
+        and not keyword.iskeyword(name)
+        and not name.startswith("_")
+        and not name.endswith("_")
+    )
+
+
 def _check_name(name: str, col: int, fail: _Fail, *, axis: bool = False) -> None:
-    """Reject a name that is not a valid label or axis name (``axis``: a ``sum(...)`` entry)."""
+    """Reject a name that is not a valid label or axis name (``axis``: a ``sum(...)`` entry),
+    saying which part of `is_valid_name` it breaks."""
+    if is_valid_name(name):
+        return
     if name == ANONYMOUS:
         if axis:
             fail(

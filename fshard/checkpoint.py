@@ -59,7 +59,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, report
 from ._layout import Layout
 from ._sharded import Sharded
 
@@ -756,4 +756,4 @@ def _close_keys(key: str, saved) -> str:
 
 def _bullets(head: str, problems: list[str]) -> str:
     n = len(problems)
-    return f"{head} ({n} problem{'s' if n != 1 else ''}):\n" + "\n".join(f"  - {p}" for p in problems)
+    return report(f"{head} ({n} problem{'s' if n != 1 else ''})", problems)
