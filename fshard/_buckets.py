@@ -28,7 +28,8 @@ import torch.distributed as dist
 from . import _comm
 from ._comm import untracked
 from ._mesh import AxisGroup
-from ._primitives import AllReduce, apply
+from ._primitives import AllReduce, _functorch_active, apply
+from ._vma import tag
 
 __all__ = ["GradBoundary", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync", "wrap"]
 
@@ -205,9 +206,6 @@ def wrap(
     Returns the tensors for ``f`` (visible outputs, tagged like their inputs). Without
     ``bucket_mb`` (or under torch.func, or without grad) only the casts apply.
     """
-    from ._primitives import _functorch_active
-    from ._vma import tag
-
     use = bucket_mb and torch.is_grad_enabled() and not _functorch_active()
     out = list(xs)
     idx = []

@@ -209,7 +209,7 @@ class _ShardMapped:
             plans = self._plan_inputs(args, leaves, treedef)
             hit = (plans, tuple(i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL))
             _remember(self._in_plans, key, hit)
-        else:
+        elif len(self._in_plans) > 8:  # keep the LRU order once there are several plans
             self._in_plans.move_to_end(key)
         plans, global_idx = hit
         if not self._out_specs_checked:
@@ -222,7 +222,11 @@ class _ShardMapped:
         tr.bucket_mb = self._bucket_mb if self._tracked else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
         if self._compute_dtype is not None or (
-            self._bucket_mb and self._tracked and torch.is_grad_enabled() and not _functorch_active()
+            self._bucket_mb
+            and self._tracked
+            and torch.is_grad_enabled()
+            and any(isinstance(x, _Tensor) and x.requires_grad for x in local)
+            and not _functorch_active()
         ):
             self._behind_boundary(local, plans, tr)
         local_args = optree.tree_unflatten(treedef, local)
@@ -241,7 +245,7 @@ class _ShardMapped:
         if oplans is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)
             _remember(self._out_plans, okey, oplans)
-        else:
+        elif len(self._out_plans) > 8:
             self._out_plans.move_to_end(okey)
         if self._tracked:
             if self.check:

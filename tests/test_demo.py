@@ -80,7 +80,9 @@ def _losses(out_dir) -> dict[int, float]:
 def uninterrupted(tmp_path_factory):
     """The default layout (dp=2 x tp=2) with --check-reference, started as a plain process."""
     out_dir = tmp_path_factory.mktemp("dp_tp")
-    text = _run(["examples/train_gpt.py", *TINY, "--out", str(out_dir), "--check-reference"])
+    text = _run(
+        ["examples/train_gpt.py", *TINY, "--out", str(out_dir), "--check-reference", "--profile", "3"]
+    )
     return out_dir, text
 
 
@@ -93,6 +95,9 @@ def test_default_layout_matches_the_one_process_reference(uninterrupted):
     # The Megatron step: one psum over tp after attention and one after the MLP, in the forward
     # and (their transposes' partners, the "f" operator) in the backward.
     assert "all_reduce[tp]" in text and "all_reduce[dp]" in text
+    # --profile 3: the time in collectives per step, by kind and axes (from the profiler labels)
+    line = next(x for x in text.splitlines() if "time in collectives per step" in x)
+    assert "(rank 0, 3 profiled steps)" in line and "all_reduce[tp]" in line and "all_reduce[dp]" in line
     assert (out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(out_dir / "ckpt")) == ["step_00000006", "step_00000012"]
     with open(out_dir / "metrics.json") as fh:

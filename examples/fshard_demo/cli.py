@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--tolerance", type=float, default=1e-3, help="--check-reference: largest allowed |loss difference|")
     add("--log-every", type=int, default=None, help="progress line every N steps; unset: 10 lines (tty: all)")
+    add("--profile", type=int, default=0, help="profile N steps and print the time spent in collectives")
     # Internal, for the --check-reference run: its role, first step, and the sharded run's states.
     add("--role", choices=("train", "reference"), default="train", help=argparse.SUPPRESS)
     add("--start", type=int, default=0, help=argparse.SUPPRESS)

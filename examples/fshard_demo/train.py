@@ -127,6 +127,25 @@ def _format_counts(counts) -> str:
     return ", ".join(f"{n} {kind}[{','.join(axes)}]" for (kind, axes), n in sorted(by.items())) or "none"
 
 
+def _profile_summary(prof, steps: int) -> str:
+    """Time per step in fshard's collectives, by kind and axes, from the profiler's labels
+    (``fshard.{kind}[{axes}] {bytes}B``), on this rank (wall time inside each call)."""
+    by: dict = {}
+    for ev in prof.events():
+        if ev.name.startswith("fshard."):
+            key = ev.name.split(" ")[0][len("fshard.") :]
+            calls, us = by.get(key, (0, 0.0))
+            by[key] = (calls + 1, us + ev.cpu_time_total)
+    total = sum(us for _, us in by.values()) / steps / 1e3
+    parts = ", ".join(
+        f"{k} {us / steps / 1e3:.1f} ms ({calls // steps}x)"
+        for k, (calls, us) in sorted(by.items(), key=lambda kv: -kv[1][1])
+    )
+    return (
+        f"  time in collectives per step (rank 0, {steps} profiled steps): {total:.1f} ms = {parts or 'none'}"
+    )
+
+
 def _read_json(path: str):
     try:
         with open(path) as fh:
@@ -264,6 +283,9 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
     progress = _Progress(stop, start, args.log_every, show)
     counts = None
     step_times, cpu_times = [], []
+    # --profile N: torch.profiler over N steps (after the first, which plans the shard_map)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+    profiled, profile_text = 0, None
     t_run = time.perf_counter()
     for step in range(start, stop):
         if step in anchors:  # reference: restart from the sharded run's state
@@ -273,12 +295,21 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
         tokens = task.batch(step, args.batch)  # the same global batch on every rank, a function of step
         t0, c0 = time.perf_counter(), time.process_time()
         counting = counts is None  # count the collectives of the first step (every step has the same)
+        profiling = prof is not None and step > start and profiled < args.profile
+        if profiling and profiled == 0:
+            prof.__enter__()
         with fs.count_collectives() if counting else contextlib.nullcontext() as counted:
             state["params"], state["opt"], loss, _ = train_step(
                 state["params"], state["opt"], tokens, _lr(step, args)
             )
             loss = float(loss)
         dt = time.perf_counter() - t0
+        if profiling:
+            profiled += 1
+            if profiled == args.profile or step + 1 == stop:
+                prof.__exit__(None, None, None)
+                profile_text = _profile_summary(prof, profiled)
+                prof = None
         if counting:
             counts = counted
         if step > start:  # the first call also plans the shard_map
@@ -342,6 +373,8 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
         print(f"    {prompt}{got:<5} {'ok' if got == want else f'wrong (expected {want})'}")
     if counts is not None:
         print(f"  collectives per training step (rank 0): {counts.total} = {_format_counts(counts)}")
+    if profile_text is not None:
+        print(profile_text)
     status = _check_reference(args, metrics, start, stop) if check and stop > start else 0
     _write_json(metrics_path, metrics)
     png = os.path.join(args.out, "loss.png")
