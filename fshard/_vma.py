@@ -120,6 +120,16 @@ def _derive_twin(tr: Trace, func, args, kwargs, out) -> None:
                 if src is not None:
                     return  # two tensors behind the boundary: their gradients stay separate
                 src = a
+    if src is None:
+        return
+    # Any other operand that needs a gradient would get the twin path's unreduced cotangent.
+    for a in (*args, *(kwargs.values() if kwargs else ())):
+        if isinstance(a, _Tensor):
+            if a is not src and a.requires_grad:
+                return
+        elif type(a) is list or type(a) is tuple:
+            if any(isinstance(b, _Tensor) and b.requires_grad for b in a):
+                return
     if src is not None:
         base = tr.twins[id(src)]
         tr.twins[id(out)] = [out, None, base[2], base[3], (src, func, args, kwargs)]

@@ -255,3 +255,33 @@ def test_views_and_functions_of_parameters_are_bucketed():
                         ("all_reduce", ("dp",), 6 * 8),
                     ]
                 )
+
+
+def _rank_mixed_operands(X, V, A, B):
+    mesh = fs.Mesh(tp=4)
+    x = X.clone().requires_grad_(True)
+    a, b = A.clone().requires_grad_(True), B.clone().requires_grad_(True)
+
+    def f(x, a, b, v):
+        w = a @ b  # invariant, needs a gradient, not itself an input
+        h = x + w  # a function of the input x *and* of w: its cast must not go through x's twin
+        return fs.psum((torch.tanh(h @ v)).sum(), "tp")
+
+    loss = fs.shard_map(f, mesh=mesh, in_specs=("b d", "d k", "k d", "d (tp e)"), out_specs="")(x, a, b, V)
+    loss.backward()
+    return x.grad, a.grad, b.grad
+
+
+def test_function_of_an_input_and_another_differentiable_tensor():
+    X, V = _randn_like(7, 4, 4), _randn_like(8, 4, 8)
+    A, B = _randn_like(9, 4, 2), _randn_like(10, 2, 4)
+    x, a, b = (t.clone().requires_grad_(True) for t in (X, A, B))
+    torch.tanh((x + a @ b) @ V).sum().backward()
+    for gx, ga, gb in run_ranks(4, _rank_mixed_operands, X, V, A, B):
+        torch.testing.assert_close(gx, x.grad)
+        torch.testing.assert_close(ga, a.grad)
+        torch.testing.assert_close(gb, b.grad)
+
+
+def _randn_like(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
