@@ -377,13 +377,16 @@ def _scan(x, tid: int) -> int:
 # -- ops with their own rule ------------------------------------------------------------------
 
 
+def _self_bits(tr: Trace, args) -> int:
+    """The varying axes of the tensor a method was called on (0 when it is invariant)."""
+    return get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
+
+
 def _to_python(func, tr: Trace, args, kwargs):
     """``t.item()``, ``t.tolist()``: Python numbers that keep the mask."""
     out = func(*args, **kwargs)
-    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
-    if not bits:
-        return out
-    return _mark(out, tr.id, bits)
+    bits = _self_bits(tr, args)
+    return _mark(out, tr.id, bits) if bits else out
 
 
 def _mark(x, tid: int, bits: int):
@@ -398,45 +401,34 @@ def _varying_axes_text(tr: Trace, bits: int) -> tuple[str, str]:
     return word, ", ".join(repr(a) for a in axes)
 
 
-def _to_bool(func, tr: Trace, args, kwargs):
-    """``bool(t)`` of a varying tensor: each rank would take its own Python branch, untracked."""
-    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
+_UNTRACKABLE = "gives a Python number fshard cannot track (a value built from it would count as the same on every rank); keep it a tensor (x.narrow(0, start, n), index_select, torch.where accept tensors), or use .item(), whose result is tracked in slices, arguments and arithmetic"
+_REFUSED = {  # what leaves tracking -> the message after "... varies over mesh {axes} "
+    "__bool__": (
+        "bool() of",
+        "(a Python if, while, and/or, or assert on it) takes a different branch on each rank, which fshard "
+        "cannot track; select between values with torch.where(cond, a, b), or branch on plain ints from the "
+        "mesh (mesh.axis_index(...)) for per-rank side effects such as logging",
+    ),
+    "__int__": ("int() of", _UNTRACKABLE),
+    "__float__": ("float() of", _UNTRACKABLE),
+    "__index__": ("a Python index from", _UNTRACKABLE),
+    "numpy": (
+        ".numpy() of",
+        "leaves fshard's tracking (a value built from it would count as the same on every rank); use "
+        ".tolist() or .item(), which are tracked, or convert the output of the shard_map'd function",
+    ),
+}
+
+
+def _refuse_varying(func, tr: Trace, args, kwargs):
+    """``bool(t)``, ``int(t)``, ``float(t)``, ``operator.index(t)``, ``t.numpy()``: plain Python or
+    numpy values that cannot carry varying axes; an error when ``t`` varies."""
+    bits = _self_bits(tr, args)
     if bits:
         word, axes = _varying_axes_text(tr, bits)
+        what, rest = _REFUSED[func.__name__]
         raise TracingError(
-            f"fs.shard_map({tr.where}): bool() of a tensor that varies over mesh {word} {axes} (a Python "
-            f"if, while, and/or, or assert on it) takes a different branch on each rank, which fshard "
-            f"cannot track; select between values with torch.where(cond, a, b), or branch on plain ints "
-            f"from the mesh (mesh.axis_index(...)) for per-rank side effects such as logging"
-        )
-    return func(*args, **kwargs)
-
-
-def _to_int(func, tr: Trace, args, kwargs):
-    """``int(t)``, ``float(t)``, ``operator.index(t)``: Python needs an exact int/float, untracked."""
-    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
-    if bits:
-        word, axes = _varying_axes_text(tr, bits)
-        what = {"__int__": "int() of", "__float__": "float() of"}.get(
-            getattr(func, "__name__", ""), "a Python index from"
-        )
-        raise TracingError(
-            f"fs.shard_map({tr.where}): {what} a tensor that varies over mesh {word} {axes} gives a "
-            f"Python number fshard cannot track (a value built from it would count as the same on every "
-            f"rank); keep it a tensor (x.narrow(0, start, n), index_select, torch.where accept tensors), "
-            f"or use .item(), whose result is tracked in slices, arguments and arithmetic"
-        )
-    return func(*args, **kwargs)
-
-
-def _to_numpy(func, tr: Trace, args, kwargs):
-    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
-    if bits:
-        word, axes = _varying_axes_text(tr, bits)
-        raise TracingError(
-            f"fs.shard_map({tr.where}): .numpy() of a tensor that varies over mesh {word} {axes} leaves "
-            f"fshard's tracking (a value built from it would count as the same on every rank); use "
-            f".tolist() or .item(), which are tracked, or convert the output of the shard_map'd function"
+            f"fs.shard_map({tr.where}): {what} a tensor that varies over mesh {word} {axes} {rest}"
         )
     return func(*args, **kwargs)
 
@@ -444,7 +436,7 @@ def _to_numpy(func, tr: Trace, args, kwargs):
 def _iterate(func, tr: Trace, args, kwargs):
     """``for row in t``: each row varies like ``t``."""
     rows = list(func(*args, **kwargs))
-    bits = get(args[0], tr) if args and isinstance(args[0], _Tensor) else 0
+    bits = _self_bits(tr, args)
     if bits:
         _tag_out(rows, tr, bits)
     return iter(rows)
@@ -481,13 +473,13 @@ def _classify(func):
     """How ``VmaMode`` treats ``func``: a handler, or the plain or in-place rule (cached per func)."""
     special = {
         torch.autograd.grad: _autograd_grad,
-        _Tensor.__int__: _to_int,
-        _Tensor.__index__: _to_int,
-        _Tensor.__float__: _to_int,
+        _Tensor.__int__: _refuse_varying,
+        _Tensor.__index__: _refuse_varying,
+        _Tensor.__float__: _refuse_varying,
         _Tensor.item: _to_python,
         _Tensor.tolist: _to_python,
-        _Tensor.__bool__: _to_bool,
-        _Tensor.numpy: _to_numpy,
+        _Tensor.__bool__: _refuse_varying,
+        _Tensor.numpy: _refuse_varying,
         _Tensor.__iter__: _iterate,
     }.get(func)
     if special is not None:
