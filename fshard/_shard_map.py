@@ -207,11 +207,15 @@ class _ShardMapped:
                 args = optree.tree_unflatten(treedef, leaves)
                 return self(*args)
             plans = self._plan_inputs(args, leaves, treedef)
-            hit = (plans, tuple(i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL))
+            hit = (
+                plans,
+                tuple(i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL),
+                [p.bits for p in plans],  # varying axes of each block (0 for non-tensors)
+            )
             _remember(self._in_plans, key, hit)
         elif len(self._in_plans) > 8:  # keep the LRU order once there are several plans
             self._in_plans.move_to_end(key)
-        plans, global_idx = hit
+        plans, global_idx, masks = hit
         if not self._out_specs_checked:
             self._precheck_out_specs()
         mesh = self.mesh
@@ -228,7 +232,10 @@ class _ShardMapped:
             and any(isinstance(x, _Tensor) and x.requires_grad for x in local)
             and not _functorch_active()
         ):
-            self._behind_boundary(local, plans, tr)
+            # bucketed gradient reductions and compute_dtype casts for the inputs (_buckets.wrap)
+            local = _buckets.wrap(
+                local, masks, tr, self._all_bits, tr.bucket_mb, self._compute_dtype, self._reduce_dtype
+            )
         local_args = optree.tree_unflatten(treedef, local)
         with tr:
             out = self.f(*local_args)
@@ -377,17 +384,6 @@ class _ShardMapped:
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems))
         return plans
-
-    def _behind_boundary(self, local, plans, tr) -> None:
-        """Bucketed gradient reductions and ``compute_dtype`` casts for the inputs (_buckets.wrap)."""
-        masks = [p.bits if p.kind is not InKind.PASS else 0 for p in plans]
-        xs = [x if p.kind is not InKind.PASS else None for x, p in zip(local, plans)]
-        got = _buckets.wrap(
-            xs, masks, tr, self._all_bits, tr.bucket_mb, self._compute_dtype, self._reduce_dtype
-        )
-        for i, p in enumerate(plans):
-            if p.kind is not InKind.PASS:
-                local[i] = got[i]
 
     # == error checking =====================================================================
 
