@@ -46,6 +46,7 @@ class Sharded:
             raise ArgumentError(f"fs.Sharded needs an fs.Mesh, got {type(mesh).__name__}")
         self.local = local
         self.mesh = mesh
+        # The spec is checked first, with no communication (a bad spec fails on every rank alike).
         self.layout = (
             spec
             if isinstance(spec, Layout)
@@ -216,10 +217,11 @@ class Sharded:
         )
 
 
-def _check_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout) -> None:
-    """Every rank's block must have the same shape and dtype (one small all-gather)."""
+def _check_blocks(local: torch.Tensor, mesh: Mesh, spec) -> None:
+    """Every rank's block must have the same shape (one small all-gather of ``[ndim, *shape]``,
+    padded to a fixed length; shapes past 8 dims are compared by their first 8)."""
     g = mesh.axis_group(mesh.axis_names, "Sharded")
-    mine = [local.dim(), *local.shape, *([0] * (8 - local.dim()))][:9] if local.dim() <= 8 else [local.dim()]
+    mine = [local.dim(), *local.shape[:8]]
     with _comm.untracked():
         t = torch.tensor(mine + [0] * (9 - len(mine)), dtype=torch.int64, device=mesh.device)
         rows = _comm.all_gather_blocks(t, g).tolist()
@@ -232,7 +234,7 @@ def _check_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout) -> None:
         f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {shape}" for shape, r in by.items()
     )
     raise SpecError(
-        f"fs.Sharded: the local blocks for spec {layout.spec_text()!r} on {mesh!r} differ in shape across "
+        f"fs.Sharded: the local blocks for spec {str(spec)!r} on {mesh!r} differ in shape across "
         f"ranks ({held}); every rank must hold an equal block, so the global shape is the same everywhere: "
         f"drop or pad the uneven last batch (e.g. DataLoader(drop_last=True)), or gather it whole and use "
         f"fs.shard(x, mesh, spec, src=0)"
