@@ -8,14 +8,30 @@ At the start of a call, every differentiable input whose block may be cast goes 
 `GradBoundary` node, which hands ``f`` a *visible* tensor and keeps a hidden *twin*. The tracking
 mode uses the twin as the input's ``pvary`` (the identity), so the twin collects the unreduced
 per-rank gradient of every varying use while the visible tensor collects the gradient of the
-invariant uses. When backward reaches the boundary (once every use is done), it returns, per
-input, ``grad(visible) + psum(grad(twin))``, with the psums grouped by (axes, dtype, device) into
-flat buckets of at most ``bucket_mb`` MiB, launched back to back and waited together: one
-all-reduce per bucket instead of one per parameter, with the same bytes.
+invariant uses. Backward returns, per input, ``grad(visible) + psum(grad(twin))``, with the psums
+grouped into flat buckets: one all-reduce per bucket instead of one per parameter, the same bytes.
+
+The buckets are filled, and launched, while the backward runs (as DDP does). The twin ``f`` sees
+is a `TwinTap` of the hidden one, made when the input is first cast (``_vma._twin_of``), just
+before its first varying use: the autograd engine runs ready nodes latest-created first, so the
+tap's backward runs as soon as the gradient of every use is in (made up front, every tap would
+wait for the end of the backward). It puts the gradient, cast to ``reduce_dtype``, in the open
+bucket of its (axis group, dtype, device) -- buckets are formed in the order gradients become
+ready -- and launches the bucket asynchronously once the gradient does not fit in it (the bucket
+goes, the gradient opens the next) or fills it: at most ``bucket_mb`` MiB, a larger gradient
+alone. When backward reaches the boundary (once every use is done), it launches the buckets still
+open (those of inputs whose gradient never came included), waits for all of them and adds the
+sums into the gradients. The buckets of one backward are kept per call, with the id of the
+backward (autograd graph task): a backward abandoned by an exception leaves nothing that the next
+backward of the graph (``retain_graph``) or the next call would pick up.
 
 Exact by linearity: the path from an input to its use is invariant, so summing before or after
-it is the same. With ``create_graph=True`` the reductions stay differentiable (one `AllReduce`
-per input); under ``torch.func`` transforms the boundary is not used.
+it is the same. With ``create_graph=True`` the taps pass the gradients on and the reductions stay
+differentiable (one `AllReduce` per input, at the boundary); leaf inputs of calls under `no_sync`
+pass theirs on too, and the boundary keeps them pending; under ``torch.func`` transforms the
+boundary is not used. If the inputs are on several devices, the taps pass every gradient on and
+all buckets are launched at the boundary (the engine runs each device's backward on its own
+thread, so the ready order could differ between ranks).
 """
 
 from __future__ import annotations
@@ -31,7 +47,7 @@ from ._mesh import AxisGroup
 from ._primitives import AllReduce, _functorch_active, apply
 from ._vma import tag
 
-__all__ = ["GradBoundary", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync", "wrap"]
+__all__ = ["GradBoundary", "TwinTap", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync", "wrap"]
 
 DEFAULT_BUCKET_MB = 25.0
 """Bucket size for gradient all-reduces, as DDP's default."""
@@ -89,9 +105,22 @@ class no_sync:
 
 class BoundaryState:
     """Per call: for each boundary input, the axis group its twin is summed over (or None),
-    its dtype and whether it is a leaf (whose reduction `no_sync` may defer)."""
+    its dtype and whether it is a leaf (whose reduction `no_sync` may defer); and, during one
+    backward, the buckets being filled and those launched."""
 
-    __slots__ = ("groups", "bucket_bytes", "dtypes", "leaves", "defer", "param_dtype", "reduce_dtype")
+    __slots__ = (
+        "groups",
+        "bucket_bytes",
+        "dtypes",
+        "leaves",
+        "defer",
+        "param_dtype",
+        "reduce_dtype",
+        "early",
+        "task",
+        "open",
+        "launched",
+    )
 
     def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None):
         n = len(xs)
@@ -102,6 +131,106 @@ class BoundaryState:
         self.defer = not _sync
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        # Launch from the taps only when every input is on one device: the autograd engine runs
+        # the backward of each device on its own thread, so with several devices the ready order
+        # (hence the order of the all-reduces) could differ between ranks.
+        self.early = len({x.device for x in xs}) == 1
+        self.task: int | None = None  # the backward (autograd graph task) the buckets below belong to
+        self.open: dict = {}  # (group, dtype, device) -> [indices, gradients, bytes]
+        self.launched: list = []  # (work, flat, indices, shapes), in launch order
+
+    def begin(self) -> None:
+        """Start this backward's buckets; drop what an abandoned backward of the graph left."""
+        task = _graph_task()
+        if task != self.task:
+            self.task = task
+            self.open = {}
+            self.launched = []
+
+    def add(self, i: int, g: AxisGroup, ct: torch.Tensor) -> None:
+        """Put input ``i``'s unreduced gradient ``ct`` in the open bucket of its (group, dtype,
+        device); launch the bucket once ``ct`` does not fit in it or fills it."""
+        nbytes = ct.numel() * ct.element_size()
+        if not nbytes:  # nothing to reduce
+            self.launched.append((None, ct.reshape(-1), [i], [ct.shape]))
+            return
+        key = (g, ct.dtype, ct.device)
+        b = self.open.get(key)
+        if b is not None and b[2] + nbytes > self.bucket_bytes:
+            self._launch(key, b)
+            b = None
+        if b is None:
+            b = self.open[key] = [[], [], 0]
+        b[0].append(i)
+        b[1].append(ct)
+        b[2] += nbytes
+        if b[2] >= self.bucket_bytes:
+            self._launch(key, b)
+
+    def _launch(self, key, b) -> None:
+        del self.open[key]
+        g = key[0]
+        flat = torch.cat([c.reshape(-1) for c in b[1]])  # a copy: ct may be shared with other grads
+        with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
+            work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
+        self.launched.append((work, flat, b[0], [c.shape for c in b[1]]))
+
+    def finish(self, grads: list) -> None:
+        """Launch the buckets still open, wait for all, add the sums into ``grads``."""
+        for key, b in list(self.open.items()):
+            self._launch(key, b)
+        launched, self.launched, self.task = self.launched, [], None
+        for work, flat, idx, shapes in launched:
+            if work is not None:
+                work.wait()
+            offset = 0
+            for i, shape in zip(idx, shapes):
+                n = shape.numel()
+                red = flat[offset : offset + n].view(shape).to(self.dtypes[i])
+                offset += n
+                grads[i] = red if grads[i] is None else grads[i] + red
+
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+"""The id of the running backward (autograd graph task), -1 outside one."""
+
+
+class TwinTap(torch.autograd.Function):
+    """Identity on the twin of boundary input ``i``. Made when the twin is first used, so that
+    its backward (ordered by creation in the autograd engine) runs as soon as the gradient of
+    every use is in: it puts the gradient in a bucket (maybe launching it) and passes nothing
+    on. Under ``create_graph``, for deferred (`no_sync`) leaves, and when ``early`` is off, it
+    passes the gradient on to `GradBoundary`, which handles it as before."""
+
+    @staticmethod
+    def forward(state, i, x):
+        with untracked():
+            return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.state, ctx.i = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, ct):
+        state: BoundaryState = ctx.state
+        i = ctx.i
+        leaf = state.leaves[i]
+        if ct is None or not state.early or torch.is_grad_enabled() or (state.defer and leaf is not None):
+            return None, None, ct
+        with untracked():
+            state.begin()
+            ct = ct.to(state.reduce_dtype or state.dtypes[i])
+            hit = _take_pending(leaf) if leaf is not None and _PENDING else None
+            if hit is not None:
+                ct = ct + hit[1]
+            state.add(i, state.groups[i], ct)  # type: ignore[arg-type]
+        return None, None, None
+
+
+def _tap(state: BoundaryState, i: int, raw: torch.Tensor) -> torch.Tensor:
+    return apply(TwinTap, state, i, raw)
 
 
 class GradBoundary(torch.autograd.Function):
@@ -128,10 +257,11 @@ class GradBoundary(torch.autograd.Function):
         state: BoundaryState = ctx.state
         n = len(state.groups)
         grads: list = [None] * n
-        pending: dict = {}
-        twins: list = [None] * n
         differentiable = torch.is_grad_enabled()
+        if not differentiable:
+            state.begin()  # keeps the buckets the taps filled in this backward
         for i in range(n):
+            # The twin's gradient arrives here only if its tap passed it on (see TwinTap).
             vis, twin = cts[2 * i], cts[2 * i + 1]
             g = state.groups[i]
             dtype = state.dtypes[i]
@@ -154,47 +284,12 @@ class GradBoundary(torch.autograd.Function):
                 twin = hit[1] if twin is None or state.groups[i] is None else twin + hit[1]
             if twin is None or g is None:
                 continue
-            twins[i] = twin
-            pending.setdefault((g, twin.dtype, twin.device), []).append(i)
-        if pending:
             with untracked():
-                _reduce_buckets(pending, twins, grads, state.dtypes, state.bucket_bytes)
+                state.add(i, g, twin)
+        if not differentiable:
+            with untracked():
+                state.finish(grads)
         return (None, *grads)
-
-
-def _reduce_buckets(pending: dict, twins: list, grads: list, dtypes: list, bucket_bytes: int) -> None:
-    """All-reduce each input's twin gradient in flat buckets; add it into ``grads``."""
-    launched = []
-    for (g, dtype, _device), idx in pending.items():
-        bucket: list[int] = []
-        size = 0
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        for i in idx:
-            nbytes = twins[i].numel() * itemsize
-            if bucket and size + nbytes > bucket_bytes:
-                launched.append(_launch(g, bucket, twins))
-                bucket, size = [], 0
-            bucket.append(i)
-            size += nbytes
-        if bucket:
-            launched.append(_launch(g, bucket, twins))
-    for work, flat, bucket in launched:
-        if work is not None:
-            work.wait()
-        offset = 0
-        for i in bucket:
-            ct = twins[i]
-            red = flat[offset : offset + ct.numel()].view(ct.shape).to(dtypes[i])
-            offset += ct.numel()
-            vis = grads[i]
-            grads[i] = red if vis is None else vis + red
-
-
-def _launch(g: AxisGroup, bucket: list[int], twins: list):
-    flat = torch.cat([twins[i].reshape(-1) for i in bucket])
-    with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
-        work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
-    return work, flat, bucket
 
 
 def wrap(
@@ -227,5 +322,9 @@ def wrap(
         if masks[i]:
             tag(vis, tr, masks[i])
         out[i] = vis
-        tr.twins[id(vis)] = [vis, twin, k, state, None]
+        # The twin f's uses see is made on first use (_vma._twin_of derives it from the hidden
+        # one): a TwinTap, created just before the first use so that its backward runs as soon
+        # as the twin's gradient is complete (and never for an input used invariantly only).
+        tr.twins[id(twin)] = [twin, twin, k, state, None]
+        tr.twins[id(vis)] = [vis, None, k, state, (twin, _tap, (state, k, twin), None)]
     return out
