@@ -42,6 +42,7 @@ from ._errors import (
     SpecError,
     TracingError,
 )
+from ._fsdp import fsdp_scan
 from ._launch import RankPool, init, launch
 from ._layout import Layout
 from ._mesh import Mesh
@@ -50,6 +51,7 @@ from ._remat import remat
 from ._shard_map import shard_map
 from ._sharded import Sharded, from_dtensor, full, reduce_to, shard
 from ._spec import Spec, parse_spec
+from ._stages import PerRank, switch
 from ._visualize import visualize
 
 __version__ = "0.1.0"
@@ -69,6 +71,9 @@ __all__ = [
     "reduce_to",
     "visualize",
     "debug",
+    # per-rank values (pipeline stages)
+    "PerRank",
+    "switch",
     # collectives
     "psum",
     "pmean",
@@ -88,6 +93,7 @@ __all__ = [
     "value_and_grad",
     "no_sync",
     "remat",
+    "fsdp_scan",
     "count_collectives",
     "CollectiveCounts",
     # launching
