@@ -83,9 +83,10 @@ def fsdp_scan(
     states: list[_Layer] = []
     for get, ldims in zip(items, per_layer):
         states.append(_Layer(get, ldims, g, tr, bits, states[-1] if states else None, prefetch))
-    pending = states[0].start()
+    pending: list | None = states[0].start()
     for i, st in enumerate(states):
-        gathered = st.finish(pending)
+        gathered = st.finish(pending or [])
+        # prefetch: the next layer's gather is in flight while this layer computes
         pending = states[i + 1].start() if prefetch and i + 1 < len(states) else None
         h = st.run(layer_fn, gathered, h)
         del gathered
@@ -128,17 +129,17 @@ def _resolve_dims(dims, layers, items, stacked: bool, g: AxisGroup, mesh_axes) -
     if stacked:
         target = layers
         try:
-            flat = optree.broadcast_prefix(dims, target, none_is_leaf=True)
+            one_flat = optree.broadcast_prefix(dims, target, none_is_leaf=True)
         except ValueError:
             raise _dims_mismatch(dims, target, "layers") from None
         one = items[0]()  # the shape of one layer's leaves
         leaves = optree.tree_leaves(one, none_is_leaf=True)
         paths = [a.codify("layers") for a in optree.tree_flatten_with_accessor(one, none_is_leaf=True)[0]]
-        got = [_dim_of(d, x, p, g, mesh_axes, stacked=True) for d, x, p in zip(flat, leaves, paths)]
+        got = [_dim_of(d, x, p, g, mesh_axes, stacked=True) for d, x, p in zip(one_flat, leaves, paths)]
         return [got] * len(items)
     flat: list | None
     try:  # a prefix of the whole list (one entry per layer) ...
-        flat = optree.broadcast_prefix(dims, list(layers), none_is_leaf=True)
+        flat = optree.broadcast_prefix(dims, list(layers), none_is_leaf=True)  # type: ignore[arg-type]
     except ValueError:  # ... or of one layer
         flat = None
     out = []
@@ -266,6 +267,7 @@ class _Layer:
         return out
 
     def run(self, layer_fn, gathered: list, h):
+        assert self.tree is not None  # set by start
         leaves, treedef = self.tree
         full = list(leaves)
         for j, y in zip(self.idx, gathered):

@@ -182,10 +182,17 @@ def _model_api(layouts):
             in_specs=(specs, "(dp b) t"),
             out_specs=("", specs),
         )
-        loss, grads = step(params, tokens)
+        with fs.count_collectives() as counts:
+            loss, grads = step(params, tokens)
         wq = grads["blocks"][0]["wq"]  # Sharded where its spec splits it, else a plain tensor
         wq = wq.full() if isinstance(wq, fs.Sharded) else wq
-        out[layout] = (float(loss), specs["blocks"][0]["wq"], float(wq.norm()))
+        dp = counts.by_kind()
+        out[layout] = (
+            float(loss),
+            specs["blocks"][0]["wq"],
+            float(wq.norm()),
+            (dp[("all_gather", ("dp",))], dp[("reduce_scatter", ("dp",))]),
+        )
     return [(r.failed, r.attempted) for r in results], out
 
 
@@ -195,7 +202,14 @@ def test_model_api_gives_the_same_loss_and_gradients_in_every_layout():
     for (failed, attempted), name in zip(doctests, ("model", "data")):
         assert attempted and not failed, f"fshard_demo.{name}: {failed} of {attempted} doctests failed"
     assert out["fsdp_tp"][1] == "(dp d) (tp e)" and out["dp"][1] == "d e"
-    loss, _, norm = out["dp_tp"]
+    loss, _, norm, _ = out["dp_tp"]
+    # FSDP: the embeddings and the head in two all-gathers (split dims 1 and 0), kept for the
+    # backward; each block (n_layers=2) gathered in the forward and again in the backward; one
+    # reduce-scatter of the gradients per gather of the forward
+    for layout in ("fsdp", "fsdp_tp"):
+        assert out[layout][3] == (2 + 2 * 2, 2 + 2), (layout, out[layout][3])
+    for layout in ("dp", "dp_tp"):
+        assert out[layout][3] == (0, 0), (layout, out[layout][3])
     for layout in layouts:
         assert out[layout][0] == pytest.approx(loss, abs=1e-5), layout
         assert out[layout][2] == pytest.approx(norm, rel=1e-4), layout

@@ -18,7 +18,8 @@ so the same model can be trained by the demo, benchmarked, or checked against a 
 :func:`forward` and :func:`loss_fn` run inside ``fs.shard_map`` on each rank's blocks: Megatron
 tensor parallelism splits the attention heads and the MLP over the mesh axis ``tp`` (one
 ``fs.psum`` after the attention output and one after the MLP output), the batch is split over
-``dp``, and FSDP layouts all-gather each parameter over ``dp`` before use (:func:`unshard`).
+``dp``, and FSDP layouts all-gather the parameters over ``dp`` before use, one block at a time
+(``fs.fsdp_scan``; the embeddings and the head with :func:`unshard`).
 The mesh has the two axes ``dp`` and ``tp``, either of size 1; on ``Mesh(dp=1, tp=1)`` (one
 process) every collective is a no-op.
 """
@@ -37,6 +38,7 @@ import fshard as fs
 __all__ = [
     "LAYOUTS",
     "Config",
+    "block",
     "forward",
     "fsdp_dims",
     "init_params",
@@ -202,31 +204,50 @@ def unshard(params, dp_dims):
     return treedef.unflatten(out)
 
 
+def block(blk, x, cfg: Config):
+    """One decoder block on the residual stream ``x`` (``(b, s, d)``), with ``blk`` gathered over dp.
+
+    q/k/v/w1 hold this rank's columns (heads, hidden units) and wo/w2 its rows, so the attention
+    and MLP outputs are partial sums completed by ``fs.psum(..., "tp")``.
+    """
+    b, s, d = x.shape
+    hd = d // cfg.n_heads
+    h = F.layer_norm(x, (d,), blk["ln1_w"], blk["ln1_b"])
+    q, k, v = (
+        (h @ blk[w]).view(b, s, -1, hd).transpose(1, 2)  # (b, local heads, s, hd)
+        for w in ("wq", "wk", "wv")
+    )
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    a = a.transpose(1, 2).reshape(b, s, -1)
+    x = x + fs.psum(a @ blk["wo"], "tp")
+    h = F.layer_norm(x, (d,), blk["ln2_w"], blk["ln2_b"])
+    return x + fs.psum(F.gelu(h @ blk["w1"]) @ blk["w2"], "tp")
+
+
 def forward(params, tokens, cfg: Config, dp_dims=None):
     """Per-shard forward pass: local token block ``(b, s)`` -> logits ``(b, s, vocab)``.
 
-    Runs inside ``fs.shard_map``. q/k/v/w1 hold this rank's columns (heads, hidden units)
-    and wo/w2 its rows, so the attention and MLP outputs are partial sums completed by
-    ``fs.psum(..., "tp")``; every other value is replicated over tp.
+    Runs inside ``fs.shard_map``; every value but the tp-split weights and the attention heads
+    is replicated over tp. With ``dp_dims`` (FSDP layouts, :func:`fsdp_dims`) the blocks run
+    through ``fs.fsdp_scan``: one block's parameters gathered at a time (the next block's gather
+    in flight meanwhile), freed after its forward and gathered again in the backward; the
+    embeddings and the head are gathered once (:func:`unshard`).
     """
-    p = params if dp_dims is None else unshard(params, dp_dims)
-    b, s = tokens.shape
-    x = p["wte"][tokens] + p["wpe"][:s]
-    d = cfg.d_model
-    hd = d // cfg.n_heads
-    for blk in p["blocks"]:
-        h = F.layer_norm(x, (d,), blk["ln1_w"], blk["ln1_b"])
-        q, k, v = (
-            (h @ blk[w]).view(b, s, -1, hd).transpose(1, 2)  # (b, local heads, s, hd)
-            for w in ("wq", "wk", "wv")
-        )
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        a = a.transpose(1, 2).reshape(b, s, -1)
-        x = x + fs.psum(a @ blk["wo"], "tp")
-        h = F.layer_norm(x, (d,), blk["ln2_w"], blk["ln2_b"])
-        x = x + fs.psum(F.gelu(h @ blk["w1"]) @ blk["w2"], "tp")
-    x = F.layer_norm(x, (d,), p["lnf_w"], p["lnf_b"])
-    return x @ p["w_out"]
+    blocks = params["blocks"]
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    fsdp = dp_dims is not None and any(d >= 0 for d in optree.tree_leaves(dp_dims))
+    if fsdp:
+        top = unshard(top, {k: v for k, v in dp_dims.items() if k != "blocks"})
+    s = tokens.shape[1]
+    x = top["wte"][tokens] + top["wpe"][:s]
+    if fsdp:
+        dims = optree.tree_map(lambda d: None if d < 0 else d, dp_dims["blocks"], none_is_leaf=True)
+        x = fs.fsdp_scan(lambda blk, x: block(blk, x, cfg), blocks, x, "dp", dims=dims)
+    else:
+        for blk in blocks:
+            x = block(blk, x, cfg)
+    x = F.layer_norm(x, (cfg.d_model,), top["lnf_w"], top["lnf_b"])
+    return x @ top["w_out"]
 
 
 def loss_fn(params, tokens, cfg: Config, dp_dims=None):
