@@ -22,7 +22,7 @@ def _prepare(tree):
         if isinstance(x, Sharded):
             t = x.local.detach().requires_grad_(True)
             prim.append(t)
-            new.append(Sharded._wrap(t, x.mesh, x.layout))
+            new.append(x._like(t))
         elif isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
             t = x.detach().requires_grad_(True)
             if tr is not None:
@@ -90,7 +90,7 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
                 g = next(grads)
                 if g is None:
                     g = torch.zeros_like(t)
-                out_leaves.append(Sharded._wrap(g, x.mesh, x.layout) if isinstance(x, Sharded) else g)
+                out_leaves.append(x._like(g) if isinstance(x, Sharded) else g)
             results.append(optree.tree_unflatten(treedef, out_leaves))
         g_out = results[0] if isinstance(argnums, int) else tuple(results)
         value = value.detach()

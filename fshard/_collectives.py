@@ -114,6 +114,9 @@ def _axis_name_alias(fn):
     return inner
 
 
+_NO_SHAPE_CHECK = ("pvary", "pmean", "all_gather")  # no communication, or checked by their callee
+
+
 def _prologue(x, axis, where: str):
     tr = _vma.current(where)
     if not isinstance(x, torch.Tensor):
@@ -121,11 +124,53 @@ def _prologue(x, axis, where: str):
             f"fs.{where} expects a torch.Tensor or a pytree of tensors, got {type(x).__name__}"
         )
     g = tr.mesh.axis_group(axis, where)
+    if tr.uneven and g.size > 1 and where not in _NO_SHAPE_CHECK:
+        _same_shapes(_shapes([x], g), g, where)
     return tr, g, tr.mesh.bits(g.names), _vma.get(x, tr)
 
 
+# -- uneven blocks ----------------------------------------------------------------------------
+# In a call with an input split unevenly (torch.chunk's blocks), ranks may hold operands of
+# different shapes. A collective over such operands would fail on some ranks and wait forever
+# on others; so in such calls every collective first gathers its operands' shapes (one small
+# all-gather) and either raises the same error on every rank or, for a tiled all_gather of
+# blocks that differ only along the gathered dim, gathers them unevenly.
+
+
+def _shapes(xs, g) -> list[list[tuple[int, ...]]] | None:
+    """The shapes of ``xs`` at each index of ``g`` (one small all-gather), or None if all agree."""
+    mine: list[int] = []
+    for x in xs:
+        row = [x.dim(), *x.shape[:8]]
+        mine += row + [0] * (9 - len(row))
+    with untracked():
+        t = torch.tensor(mine, dtype=torch.int64, device=xs[0].device)
+        rows = _comm.all_gather_blocks(t, g).tolist()
+    if all(row == rows[0] for row in rows):
+        return None
+    return [[tuple(row[9 * k + 1 : 9 * k + 1 + row[9 * k]]) for k in range(len(xs))] for row in rows]
+
+
+def _same_shapes(shapes, g, where: str, paths=None) -> None:
+    """A CollectiveError (the same on every rank) when the operands' shapes differ across ``g``."""
+    if shapes is None:
+        return
+    ax = " ".join(g.names)
+    k = next(k for k in range(len(shapes[0])) if any(s[k] != shapes[0][k] for s in shapes))
+    held = "; ".join(f"index {i}: {s[k]}" for i, s in enumerate(shapes))
+    at = f" at {paths[k]}" if paths else ""
+    raise CollectiveError(
+        f"fs.{where} over {ax}: the operand{at} has a different shape on different ranks of {ax} ({held}), "
+        f"because an input of this call is split unevenly (torch.chunk's blocks); fs.{where} needs the same "
+        f"shape on every rank. Pad the blocks to the largest (torch.nn.functional.pad) or reduce them to a "
+        f"shape that agrees (e.g. x.sum(0)) first; fs.all_gather(x, axis, dim, tiled=True) of one tensor "
+        f"accepts blocks that differ along dim"
+    )
+
+
 def _tree_prologue(tree, axis, where: str):
-    """The trace, axis group, axis bits, tensor leaves and treedef of a pytree operand."""
+    """The trace, axis group, axis bits, tensor leaves and treedef of a pytree operand (whose
+    shapes must agree across ranks, in a call with uneven blocks)."""
     tr = _vma.current(where)
     g = tr.mesh.axis_group(axis, where)
     leaves, treedef = optree.tree_flatten(tree)
@@ -140,7 +185,28 @@ def _tree_prologue(tree, axis, where: str):
             f"fs.{where} expects a torch.Tensor or a pytree of tensors, got {type(leaves[i]).__name__} "
             f"at {accessors[i].codify('x')}"
         )
+    if tr.uneven and g.size > 1 and leaves:
+        shapes = _shapes(leaves, g)
+        if shapes is not None:
+            accessors, _, _ = optree.tree_flatten_with_accessor(tree)
+            _same_shapes(shapes, g, where, [a.codify("x") for a in accessors])
     return tr, g, tr.mesh.bits(g.names), leaves, treedef
+
+
+def _uneven_tiling(x, g, dim: int, tiled: bool, async_op: bool):
+    """``tiled`` for an all_gather in a call with uneven blocks: the block lengths along ``dim``
+    when the ranks' blocks differ only there (tiled, synchronous), else ``tiled`` or an error."""
+    shapes = _shapes([x], g)
+    if shapes is None:
+        return tiled
+    same_rest = all(
+        len(s[0]) == x.dim() and s[0][:dim] + s[0][dim + 1 :] == x.shape[:dim] + x.shape[dim + 1 :]
+        for s in shapes
+    )
+    if tiled and same_rest and not async_op:
+        return tuple(s[0][dim] for s in shapes)
+    _same_shapes(shapes, g, "all_gather")
+    return tiled
 
 
 def _tree_map(fn, tree, axis, where: str):
@@ -337,6 +403,8 @@ def all_gather(
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
     x = _vary(x, tr, v, bits)
+    if tr.uneven and g.size > 1:
+        tiled = _uneven_tiling(x, g, dim, tiled, async_op)
     if async_op:
         if invariant:
             raise CollectiveError(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ._errors import SpecError, did_you_mean, report
 from ._spec import ANONYMOUS, Dim, Spec, parse_spec
 
-__all__ = ["Layout", "bind", "bind_or_raise", "divisibility_problems"]
+__all__ = ["Layout", "bind", "bind_or_raise", "chunk_sizes"]
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,28 @@ class Layout:
         return Layout(self.dims, self.labels) if self.partial else self
 
     # -- shapes and blocks -------------------------------------------------------------------
+    #
+    # A dim of size S split over axes (a1, a2, ...) is cut as torch.chunk cuts it, one axis after
+    # the other (DTensor's rule): into pieces of ceil(S / size(a1)) along a1 (the last may be
+    # shorter, and pieces past the end are empty), each piece the same way along a2, and so on.
+    # When the product of the axis sizes divides S, every block has S / product rows.
 
-    def local_shape(self, shape, mesh_shape: dict) -> tuple[int, ...]:
-        """The shape of one block of a global ``shape``."""
-        return tuple(s // math.prod(mesh_shape[a] for a in d) for s, d in zip(shape, self.dims))
+    def is_even(self, shape, mesh_shape: dict) -> bool:
+        """Whether every split dim of a global ``shape`` divides into equal blocks."""
+        return all(
+            not axes or size % math.prod(mesh_shape[a] for a in axes) == 0
+            for size, axes in zip(shape, self.dims)
+        )
+
+    def local_shape(self, shape, mesh_shape: dict, coord: dict | None = None) -> tuple[int, ...]:
+        """The shape of the block of a global ``shape`` held at ``coord`` (any coordinate when
+        the split is even; the largest block, that of coordinate 0, when ``coord`` is None)."""
+        if coord is None:
+            coord = dict.fromkeys(mesh_shape, 0)
+        return tuple(n for _, n in self.block(shape, mesh_shape, coord))
 
     def global_shape(self, shape, mesh_shape: dict) -> tuple[int, ...]:
-        """The global shape whose blocks have ``shape``."""
+        """The global shape whose blocks all have ``shape`` (an even split)."""
         return tuple(s * math.prod(mesh_shape[a] for a in d) for s, d in zip(shape, self.dims))
 
     def block_index(self, dim: int, mesh_shape: dict, coord: dict) -> int:
@@ -101,20 +116,31 @@ class Layout:
     def block(self, shape, mesh_shape: dict, coord: dict) -> tuple[tuple[int, int], ...]:
         """``(start, length)`` per dim of the block of a global ``shape`` held at ``coord``.
 
-        The one place that says which part of a global value a rank holds.
+        The one place that says which part of a global value a rank holds: torch.chunk's cut,
+        one split axis after the other, so blocks may be uneven (10 rows over 4 ranks: 3, 3, 3,
+        1) or empty (3 rows over 4 ranks: 1, 1, 1, 0).
 
         Examples:
             >>> layout.block((8, 6), {"dp": 2, "tp": 2}, {"dp": 1, "tp": 0})   # "(dp b) (tp k)"
             ((4, 4), (0, 3))
+            >>> layout.block((10, 6), {"dp": 4}, {"dp": 3})                     # "(dp b) k"
+            ((9, 1), (0, 6))
         """
         out = []
-        for d, (size, axes) in enumerate(zip(shape, self.dims)):
-            if not axes:
-                out.append((0, size))
-                continue
-            n = size // math.prod(mesh_shape[a] for a in axes)
-            out.append((self.block_index(d, mesh_shape, coord) * n, n))
+        for size, axes in zip(shape, self.dims):
+            start = 0
+            for a in axes:
+                size, off = _chunk(size, mesh_shape[a], coord[a])
+                start += off
+            out.append((start, size))
         return tuple(out)
+
+    def block_sizes(
+        self, dim: int, size: int, mesh_shape: dict, axes: tuple[str, ...] | None = None
+    ) -> tuple[int, ...]:
+        """The lengths along ``dim`` of the blocks of a piece of ``size`` split over ``axes``
+        (default: every axis that splits ``dim``), in the order of the group over ``axes``."""
+        return chunk_sizes(size, [mesh_shape[a] for a in (self.dims[dim] if axes is None else axes)])
 
     def spec_text(self) -> str:
         """The layout as spec text; unnamed dims are written ``d0``, ``d1``, ..."""
@@ -241,27 +267,29 @@ def bind(
     return Layout(tuple(dims), tuple(labels), tuple(spec.partial)), ()
 
 
-def divisibility_problems(layout: Layout, shape, mesh_shape: dict) -> list[str]:
-    """Problems for dims whose size the product of their axis sizes does not divide."""
-    out = []
-    for i, (size, axes) in enumerate(zip(shape, layout.dims)):
-        if not axes:
-            continue
-        n = math.prod(mesh_shape[a] for a in axes)
-        if size % n:
-            over = " and ".join(f"{a} (size {mesh_shape[a]})" for a in axes)
-            name = layout.labels[i]
-            label = f" ({name})" if name and name != ANONYMOUS else ""
-            out.append(
-                f"dim {i}{label} of size {size} is split over {over}, and {n} does not divide {size}; "
-                f"pad it to {-(-size // n) * n}"
-            )
-    return out
+def _chunk(size: int, n: int, i: int) -> tuple[int, int]:
+    """``(length, start)`` of piece ``i`` of ``size`` cut into ``n`` as torch.chunk cuts it."""
+    c = -(-size // n)
+    start = min(c * i, size)
+    return min(c, size - start), start
+
+
+def chunk_sizes(size: int, ns) -> tuple[int, ...]:
+    """Lengths of the pieces of ``size`` cut over axes of sizes ``ns`` (major first), in order.
+
+    Examples:
+        >>> chunk_sizes(10, [4]), chunk_sizes(10, [2, 2]), chunk_sizes(3, [4])
+        ((3, 3, 3, 1), (3, 2, 3, 2), (1, 1, 1, 0))
+    """
+    out = [size]
+    for n in ns:
+        out = [_chunk(s, n, i)[0] for s in out for i in range(n)]
+    return tuple(out)
 
 
 def bind_or_raise(spec, mesh, shape, where: str, *, local: bool = False) -> Layout:
     """Bind ``spec`` for a stored value of ``shape`` on ``mesh``, or raise one SpecError listing
-    every problem. ``local=True``: ``shape`` is a block's shape (no divisibility check)."""
+    every problem. ``local=True``: ``shape`` is a block's shape (only said in the message)."""
     layout: Layout | None
     found: tuple[str, ...]
     if isinstance(spec, Layout):
@@ -273,8 +301,6 @@ def bind_or_raise(spec, mesh, shape, where: str, *, local: bool = False) -> Layo
     else:
         layout, found = bind(spec, tuple(mesh.shape.items()), len(shape))
     problems = list(found)
-    if layout is not None and not local:
-        problems += divisibility_problems(layout, shape, mesh.shape)
     if layout is not None and layout.partial:
         problems.append("a partial-sum spec (| sum(...)) describes a shard_map output, not a stored value")
     if problems or layout is None:

@@ -106,9 +106,29 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 # -- layout helpers (pure tensor reshapes around the block-stacked comm functions) --------
 
 
-def gather_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
+# ``tiled`` below is True (concatenate along ``dim``), False (stack in a new ``dim``), or a tuple
+# of block lengths along ``dim``, one per group index: uneven blocks (torch.chunk's cut, see
+# Layout.block), exchanged padded to the longest and trimmed after.
+
+
+def gather_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     """All-gather ``x`` along ``dim``: stacked in a new dim, or concatenated when ``tiled``."""
+    if type(tiled) is tuple:
+        m = max(tiled)
+        blocks = _comm.all_gather_blocks(_pad(x, dim, m), g)  # [N, *padded block]
+        return torch.cat([blocks[i].narrow(dim, 0, n) for i, n in enumerate(tiled)], dim)
     return _arrange(_comm.all_gather_blocks(x, g), x.shape, g.size, dim, tiled)
+
+
+def _pad(x: torch.Tensor, dim: int, m: int) -> torch.Tensor:
+    """``x`` zero-padded at the end of ``dim`` to length ``m``."""
+    if x.shape[dim] == m:
+        return x
+    shape = list(x.shape)
+    shape[dim] = m
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return out
 
 
 def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled: bool) -> torch.Tensor:
@@ -120,8 +140,11 @@ def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled: bool) -> torc
     return _owned(blocks.movedim(0, dim).reshape(out))
 
 
-def split_blocks(x: torch.Tensor, n: int, dim: int, tiled: bool) -> torch.Tensor:
-    """``x`` as ``[n, *block]``: block j is the j-th piece of ``dim``."""
+def split_blocks(x: torch.Tensor, n: int, dim: int, tiled) -> torch.Tensor:
+    """``x`` as ``[n, *block]``: block j is the j-th piece of ``dim`` (padded when uneven)."""
+    if type(tiled) is tuple:
+        m = max(tiled)
+        return torch.stack([_pad(p, dim, m) for p in x.split(list(tiled), dim)])
     if not tiled:
         return x.movedim(dim, 0)
     shape = list(x.shape)
@@ -129,13 +152,19 @@ def split_blocks(x: torch.Tensor, n: int, dim: int, tiled: bool) -> torch.Tensor
     return x.reshape(shape).movedim(dim, 0)
 
 
-def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
+def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     """Reduce-scatter ``x`` along ``dim`` (removed, or shrunk by the group size when ``tiled``)."""
-    return _owned(_comm.reduce_scatter_blocks(split_blocks(x, g.size, dim, tiled), g))
+    out = _comm.reduce_scatter_blocks(split_blocks(x, g.size, dim, tiled), g)
+    if type(tiled) is tuple and out.shape[dim] != tiled[g.index]:
+        return out.narrow(dim, 0, tiled[g.index]).clone()
+    return _owned(out)
 
 
-def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled: bool) -> torch.Tensor:
+def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim`` (no communication)."""
+    if type(tiled) is tuple:
+        i = g.index
+        return x.narrow(dim, sum(tiled[:i]), tiled[i])
     if not tiled:
         return x.select(dim, g.index)
     s = x.shape[dim] // g.size

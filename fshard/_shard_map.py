@@ -15,14 +15,14 @@ import functools
 import optree
 import torch
 
-from . import _buckets, _debug, _vma
+from . import _buckets, _debug, _stages, _vma
 from ._buckets import DEFAULT_BUCKET_MB
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
-from ._layout import Layout, bind, divisibility_problems
+from ._layout import Layout, bind
 from ._mesh import Mesh
 from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active
 from ._primitives import apply as _apply
-from ._sharded import Sharded, from_dtensor, relayout
+from ._sharded import Sharded, _global_shape_of_blocks, _tiling, from_dtensor, relayout
 from ._spec import ANONYMOUS, Spec, parse_spec
 
 __all__ = ["shard_map"]
@@ -117,6 +117,7 @@ class InKind(enum.Enum):
     GLOBAL = "global"  # a plain tensor holding the global value: sliced locally
     SHARDED = "sharded"  # a Sharded value in the wanted layout: its local block
     RESHARD = "reshard"  # a Sharded value in another layout: moved first
+    PER_RANK = "per_rank"  # a leaf of an fs.PerRank value: this rank's own, sliced like GLOBAL (_stages)
 
 
 class OutKind(enum.Enum):
@@ -138,20 +139,21 @@ class _InPlan:
         self.bits = bits
         self.path = path
         self.slices = slices  # ((dim, start, length), ...)
-        self.groups = groups  # ((dim, AxisGroup), ...) for differentiable slicing
+        self.groups = groups  # ((dim, AxisGroup, tiled), ...) for differentiable slicing
 
 
 class _OutPlan:
-    __slots__ = ("kind", "layout", "allowed", "reduce", "scatter", "path", "spec")
+    __slots__ = ("kind", "layout", "allowed", "reduce", "scatter", "path", "spec", "uneven")
 
     def __init__(self, kind: OutKind, layout=None, allowed=0, reduce=None, scatter=(), path="", spec=""):
         self.kind = kind
         self.layout = layout
         self.allowed = allowed  # vma bits the value may vary over
         self.reduce = reduce  # AxisGroup for an all-reduce of partial axes, or None
-        self.scatter = scatter  # ((dim, AxisGroup), ...) reduce-scatters
+        self.scatter = scatter  # ((dim, AxisGroup, tiled), ...) reduce-scatters
         self.path = path
         self.spec = spec
+        self.uneven = False  # a reduce-scatter into uneven blocks
 
 
 class _ShardMapped:
@@ -181,6 +183,7 @@ class _ShardMapped:
         self._reduce_dtype = reduce_dtype
         self._all_bits = mesh.bits(mesh.axis_names)
         self._out_specs_checked = False
+        self._per_rank: dict = {}  # treedef -> the treedef f sees (fs.PerRank values unwrapped, _stages)
 
     def __repr__(self) -> str:
         return f"shard_map({self.name}, mesh={self.mesh!r})"
@@ -206,23 +209,30 @@ class _ShardMapped:
                 leaves = [from_dtensor(x) if _is_dtensor(x) else x for x in leaves]
                 args = optree.tree_unflatten(treedef, leaves)
                 return self(*args)
-            plans = self._plan_inputs(args, leaves, treedef)
+            plans, sizes = self._plan_inputs(args, leaves, treedef)
+            uneven = any(
+                p.kind is not InKind.PASS and not p.layout.is_even(x.shape, self.mesh.shape)
+                for x, p in zip(leaves, plans)
+            )
             hit = (
                 plans,
                 tuple(i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL),
                 [p.bits for p in plans],  # varying axes of each block (0 for non-tensors)
+                sizes if uneven else None,  # with uneven blocks: the global size of each dim label
             )
             _remember(self._in_plans, key, hit)
         elif len(self._in_plans) > 8:  # keep the LRU order once there are several plans
             self._in_plans.move_to_end(key)
-        plans, global_idx, masks = hit
+        plans, global_idx, masks, label_sizes = hit
         if not self._out_specs_checked:
             self._precheck_out_specs()
         mesh = self.mesh
         if _debug.enabled:
             _debug.check_inputs(self.name, mesh, leaves, plans)
+            _stages.debug_check_inputs(self.name, mesh, args, leaves, plans, InKind.PER_RANK)
         versions = [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
+        tr.uneven = label_sizes is not None
         tr.bucket_mb = self._bucket_mb if self._tracked else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
         if self._compute_dtype is not None or (
@@ -236,7 +246,7 @@ class _ShardMapped:
             local = _buckets.wrap(
                 local, masks, tr, self._all_bits, tr.bucket_mb, self._compute_dtype, self._reduce_dtype
             )
-        local_args = optree.tree_unflatten(treedef, local)
+        local_args = optree.tree_unflatten(self._per_rank.get(treedef, treedef) if self._per_rank else treedef, local)
         with tr:
             out = self.f(*local_args)
         if versions:
@@ -247,7 +257,7 @@ class _ShardMapped:
             *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves],
         )
         if _debug.enabled:
-            _debug.check_outputs(self.name, mesh, out_leaves, okey)
+            _stages.debug_check_outputs(self.name, mesh, out, out_leaves, okey)  # _debug.check_outputs + PerRank
         oplans = self._out_plans.get(okey)
         if oplans is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)
@@ -261,7 +271,10 @@ class _ShardMapped:
                 # An output invariant over an axis its spec splits or sums over holds one copy
                 # per index: cast it to varying so its gradient sums over the copies.
                 out_leaves = [_vary_out(x, p, tr) for x, p in zip(out_leaves, oplans)]
-        return optree.tree_unflatten(out_treedef, [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)])
+        done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
+        if label_sizes is not None or any(p.uneven for p in oplans):
+            _global_shapes(done, oplans, mesh, label_sizes or {})
+        return optree.tree_unflatten(out_treedef, done)
 
     # == planning ===========================================================================
 
@@ -291,8 +304,6 @@ class _ShardMapped:
                     f"{path} (shape {shape}) with spec {str(spec)!r}: a partial-sum spec (| sum(...)) is only valid in "
                     f"out_specs; pass the reduced value instead"
                 )
-            for p in divisibility_problems(layout, shape, mesh.shape):
-                problems.append(f"{path} (shape {shape}) with spec {str(spec)!r}: {p}")
             for i, lab in enumerate(layout.labels):
                 if lab is None or lab == ANONYMOUS or template:
                     continue
@@ -310,9 +321,13 @@ class _ShardMapped:
                     f"{mesh!r}; move it with fs.shard(value.full(), mesh, spec)"
                 )
             plans.append(self._in_plan(x, layout, path))
+        per_rank = _stages.per_rank_leaves(args)
+        if per_rank:  # leaves of fs.PerRank values: this rank's own, varying over their axes
+            problems += _stages.mark_inputs(plans, per_rank, specs, paths, mesh, InKind)
+            self._per_rank[treedef] = _stages.local_treedef(args)
         if problems:
             raise SpecError(_report(self.name, "in_specs", problems))
-        return plans
+        return plans, {lab: size for lab, (size, _) in label_sizes.items()}
 
     def _in_plan(self, x, layout: Layout, path: str) -> _InPlan:
         mesh = self.mesh
@@ -323,7 +338,11 @@ class _ShardMapped:
             return _InPlan(InKind.RESHARD, layout, bits, path=path)
         block = layout.block(x.shape, mesh.shape, mesh.coordinate)
         slices = tuple((d, *block[d]) for d, axes in enumerate(layout.dims) if axes)
-        groups = tuple((d, mesh.axis_group(axes)) for d, axes in enumerate(layout.dims) if axes)
+        groups = tuple(
+            (d, mesh.axis_group(axes), _tiling(layout.block_sizes(d, x.shape[d], mesh.shape)))
+            for d, axes in enumerate(layout.dims)
+            if axes
+        )
         return _InPlan(InKind.GLOBAL, layout, bits, slices, groups, path)
 
     def _precheck_out_specs(self):
@@ -368,19 +387,17 @@ class _ShardMapped:
                 plans.append(None)
                 continue
             scatter = []
-            for d, sc in layout.scatter_dims:
-                g = mesh.axis_group(sc)
-                if shape[d] % g.size:
-                    problems.append(
-                        f"{path} (local shape {shape}) with spec {str(spec)!r}: dim {d} of size {shape[d]} "
-                        f"is reduce-scattered over {' '.join(sc)} (size {g.size}), which does not divide it; "
-                        f"pad it to {-(-shape[d] // g.size) * g.size}"
-                    )
-                scatter.append((d, g))
+            for d, sc in layout.scatter_dims:  # the local dim is cut as torch.chunk cuts it
+                scatter.append((d, mesh.axis_group(sc), _tiling(layout.block_sizes(d, shape[d], mesh.shape, sc))))
             reduce = mesh.axis_group(layout.reduce_axes) if layout.reduce_axes else None
             allowed = mesh.bits(layout.split_axes + layout.partial)
             kind = OutKind.SHARDED if layout.is_split else OutKind.PLAIN
-            plans.append(_OutPlan(kind, layout.reduced(), allowed, reduce, tuple(scatter), path, str(spec)))
+            plan = _OutPlan(kind, layout.reduced(), allowed, reduce, tuple(scatter), path, str(spec))
+            plan.uneven = any(t is not True for _, _, t in scatter)
+            plans.append(plan)
+        per_rank = _stages.per_rank_leaves(out)
+        if per_rank:  # leaves of fs.PerRank outputs: they may vary over its axes, returned as they are
+            problems += _stages.mark_outputs(plans, per_rank, specs, paths, mesh, OutKind)
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems))
         return plans
@@ -464,7 +481,7 @@ def _leaf_key(x):
     if isinstance(x, _Tensor):
         return ("D", x.shape, x.dtype) if _is_dtensor(x) else (x.shape, x.dtype)
     if isinstance(x, Sharded):
-        return ("S", x.local.shape, x.dtype, x.layout, x.mesh)
+        return ("S", x.shape, x.local.shape, x.dtype, x.layout, x.mesh)
     return type(x)
 
 
@@ -472,18 +489,18 @@ def _localize(x, p: _InPlan, tr, mesh):
     kind = p.kind
     if kind is InKind.PASS:
         return x
-    if kind is InKind.GLOBAL:
+    if kind is InKind.GLOBAL or kind is InKind.PER_RANK:
         if p.slices:
             if x.requires_grad and torch.is_grad_enabled():
-                for d, g in p.groups:
-                    x = _apply(LocalSlice, x, g, d, True)
+                for d, g, tiled in p.groups:
+                    x = _apply(LocalSlice, x, g, d, tiled)
             else:
                 for d, start, n in p.slices:
                     x = x.narrow(d, start, n)
     elif kind is InKind.SHARDED:
         x = x.local
     else:
-        x = relayout(x.local, mesh, x.layout, p.layout)
+        x = relayout(x.local, mesh, x.layout, p.layout, x.shape)
     if p.bits:
         _vma.tag(x, tr, p.bits)
     return x
@@ -504,11 +521,51 @@ def _finish(x, p: _OutPlan, mesh):
         return x
     if p.reduce is not None:
         x = _apply(AllReduce, x, p.reduce)
-    for d, g in p.scatter:
-        x = _apply(ReduceScatter, x, g, d, True)
+    for d, g, tiled in p.scatter:
+        x = _apply(ReduceScatter, x, g, d, tiled)
     if kind is OutKind.PLAIN:
         return x
     return Sharded._wrap(x, mesh, p.layout)
+
+
+def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict) -> None:
+    """Give each Sharded output of a call with uneven blocks its global shape.
+
+    A split dim's global size is its label's size among the inputs, or the size a reduce-scatter
+    cut; for any other split dim the outputs' block shapes are gathered (one small all-gather
+    per such output; which outputs need it depends only on specs and input shapes, so every
+    rank takes the same path).
+    """
+    for x, p in zip(done, plans):
+        if not isinstance(x, Sharded):
+            continue
+        layout, local = p.layout, x.local
+        cut = {d: (t, g.size) for d, g, t in p.scatter if len(layout.dims[d]) == len(g.names)}
+        shape: list[int] | None = []
+        for d, axes in enumerate(layout.dims):
+            lab = layout.labels[d]
+            if not axes:
+                shape.append(local.shape[d])
+            elif d in cut:
+                t, n = cut[d]
+                shape.append(sum(t) if type(t) is tuple else local.shape[d] * n)
+            elif lab is not None and lab != ANONYMOUS and lab in label_sizes:
+                shape.append(label_sizes[lab])
+            else:
+                shape = None
+                break
+        if shape is None:
+            x._shape = _global_shape_of_blocks(local, mesh, layout)
+            continue
+        want = layout.local_shape(shape, mesh.shape, mesh.coordinate)
+        if want != tuple(local.shape):
+            raise SpecError(
+                f"fs.shard_map: output {p.path} has local shape {tuple(local.shape)}, but out_spec {p.spec!r} "
+                f"with the inputs' dim sizes makes it a block of global shape {tuple(shape)}, which this rank "
+                f"holds as {want} (torch.chunk's cut); return the block the spec describes, or give the dim "
+                f"another label"
+            )
+        x._shape = torch.Size(shape)
 
 
 # == helpers ==============================================================================

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from . import _comm, _vma
-from ._errors import ArgumentError, CollectiveError, MeshError, SpecError, report
-from ._layout import Layout, bind_or_raise, divisibility_problems
+from ._errors import ArgumentError, CollectiveError, MeshError, SpecError
+from ._layout import Layout, bind_or_raise, chunk_sizes
 from ._mesh import Mesh
 from ._primitives import AllGatherInvariant, AllToAll, LocalSlice
 from ._primitives import apply as _apply
@@ -37,26 +37,29 @@ class Sharded:
         True
     """
 
-    __slots__ = ("local", "mesh", "layout", "__weakref__")
+    __slots__ = ("local", "mesh", "layout", "_shape", "__weakref__")
 
-    def __init__(self, local: torch.Tensor, mesh: Mesh, spec, *, check: bool = True):
+    def __init__(self, local: torch.Tensor, mesh: Mesh, spec, *, shape=None, check: bool = True):
         if not isinstance(local, torch.Tensor):
             raise ArgumentError(f"fs.Sharded needs a torch.Tensor local block, got {type(local).__name__}")
         if not isinstance(mesh, Mesh):
             raise ArgumentError(f"fs.Sharded needs an fs.Mesh, got {type(mesh).__name__}")
         self.local = local
         self.mesh = mesh
+        self._shape = None
         # The spec is checked first, with no communication (a bad spec fails on every rank alike).
         self.layout = (
             spec
             if isinstance(spec, Layout)
             else bind_or_raise(spec, mesh, local.shape, "fs.Sharded", local=True)
         )
-        if check and mesh.size > 1:
-            _check_blocks(local, mesh, self.layout)
+        if shape is not None:  # the global shape is given: check this rank's block against it
+            self._shape = _check_shape(local, mesh, self.layout, shape, spec)
+        elif check and mesh.size > 1:
+            self._shape = _global_shape_of_blocks(local, mesh, self.layout)
 
     @classmethod
-    def from_local(cls, local: torch.Tensor, mesh: Mesh, spec) -> Sharded:
+    def from_local(cls, local: torch.Tensor, mesh: Mesh, spec, *, shape=None) -> Sharded:
         """A Sharded value from the block each rank loaded itself (per-rank data loading).
 
         Each rank passes its own block: for a batch split over ``dp``, the rows its
@@ -64,16 +67,23 @@ class Sharded:
         value, so a block of shape ``(32, 128)`` with spec ``"(dp b) d"`` on ``dp=4`` is the
         block of a ``(128, 128)`` global value, block ``i`` held by the rank at ``dp`` index
         ``i``. Nothing is copied or sent but one small all-gather that checks that every rank's
-        block has the same shape (an uneven last batch raises here, on every rank, instead of
-        failing later in a collective).
+        block fits (blocks that do not tile a global value raise here, on every rank, instead
+        of failing later in a collective).
+
+        Blocks may be uneven when they are the pieces torch.chunk cuts (10 rows over 4 ranks:
+        3, 3, 3 and 1; a rank may hold 0 rows): the global shape is then found from the
+        gathered block shapes. With ``shape=`` (the global shape, as for DTensor's
+        ``from_local``) nothing is sent: each rank checks its own block against ``shape``.
 
         Args:
             local: this rank's block.
             mesh: the mesh.
             spec: the layout of the global value, e.g. ``"(dp b) d"``.
+            shape: the global shape, if known (no communication then).
 
         Raises:
-            SpecError: when the blocks differ in shape across ranks, or the spec does not fit.
+            SpecError: when the blocks are not the blocks of one global value, or the spec does
+                not fit.
 
         Examples:
             >>> sampler = DistributedSampler(dataset, num_replicas=mesh.axis_size("dp"),
@@ -82,22 +92,32 @@ class Sharded:
             ...     x = fs.Sharded.from_local(xb, mesh, "(dp b) d")   # global batch: 32 * dp rows
             ...     y = fs.Sharded.from_local(yb, mesh, "(dp b)")
             ...     loss = step(params, x, y)
+            >>> part = torch.chunk(rows, 4)[rank]                 # 10 rows: 3, 3, 3, 1
+            >>> x = fs.Sharded.from_local(part, mesh, "(dp b) d", shape=(10, 64))
         """
-        return cls(local, mesh, spec, check=True)
+        return cls(local, mesh, spec, shape=shape, check=True)
 
     @classmethod
-    def _wrap(cls, local: torch.Tensor, mesh: Mesh, layout: Layout) -> Sharded:
-        """A Sharded value from a block fshard itself computed (no checks, no communication)."""
+    def _wrap(cls, local: torch.Tensor, mesh: Mesh, layout: Layout, shape=None) -> Sharded:
+        """A Sharded value from a block fshard itself computed (no checks, no communication).
+        ``shape``: the global shape, needed when the blocks may be uneven."""
         self = cls.__new__(cls)
-        self.local, self.mesh, self.layout = local, mesh, layout
+        self.local, self.mesh, self.layout, self._shape = local, mesh, layout, shape
         return self
+
+    def _like(self, local: torch.Tensor) -> Sharded:
+        """A Sharded value with this one's mesh, layout and global shape, holding ``local``."""
+        return Sharded._wrap(local, self.mesh, self.layout, self._shape)
 
     # -- global description -----------------------------------------------------------------
 
     @property
     def shape(self) -> torch.Size:
         """The global shape."""
-        return torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
+        s = self._shape
+        if s is None:  # an even split: every block has the same shape
+            s = self._shape = torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
+        return s
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,10 +151,10 @@ class Sharded:
     def grad(self) -> Sharded | None:
         """The gradient of the local block, as a Sharded value with the same layout."""
         g = self.local.grad
-        return None if g is None else Sharded._wrap(g, self.mesh, self.layout)
+        return None if g is None else self._like(g)
 
     def detach(self) -> Sharded:
-        return Sharded._wrap(self.local.detach(), self.mesh, self.layout)
+        return self._like(self.local.detach())
 
     def __repr__(self) -> str:
         return (
@@ -171,24 +191,28 @@ class Sharded:
         """
         if dst is not None:
             return _gather_to(self, _check_dst(self.mesh, dst, "Sharded.full"))
-        x = self.local
+        x, shape, mesh = self.local, self.shape, self.mesh
         for d, axes in enumerate(self.layout.dims):
             if axes:
-                x = _apply(AllGatherInvariant, x, self.mesh.axis_group(axes), d, True)
+                sizes = self.layout.block_sizes(d, shape[d], mesh.shape)
+                x = _apply(AllGatherInvariant, x, mesh.axis_group(axes), d, _tiling(sizes))
         return x
 
     def reshard(self, spec) -> Sharded:
         """The same global value in another layout, moved with the fewest collectives.
 
         A split that disappears is all-gathered, a new split is a local slice (no
-        communication), and a split that moves from one dim to another is one all_to_all.
+        communication), and a split that moves from one dim to another is one all_to_all
+        (when both dims split evenly; uneven blocks are gathered and sliced).
 
         Examples:
             >>> x = fs.shard(t, mesh, "(sp s) h d")
             >>> y = x.reshard("s (sp h) d")     # one all_to_all over sp
         """
-        target = bind_or_raise(spec, self.mesh, self.shape, "Sharded.reshard")
-        return Sharded._wrap(relayout(self.local, self.mesh, self.layout, target), self.mesh, target)
+        shape = self.shape
+        target = bind_or_raise(spec, self.mesh, shape, "Sharded.reshard")
+        local = relayout(self.local, self.mesh, self.layout, target, shape)
+        return Sharded._wrap(local, self.mesh, target, shape)
 
     def to_dtensor(self):
         """This value as a PyTorch ``DTensor`` on ``mesh.device_mesh`` (no communication).
@@ -217,27 +241,79 @@ class Sharded:
         )
 
 
-def _check_blocks(local: torch.Tensor, mesh: Mesh, spec) -> None:
-    """Every rank's block must have the same shape (one small all-gather of ``[ndim, *shape]``,
-    padded to a fixed length; shapes past 8 dims are compared by their first 8)."""
+def _tiling(sizes: tuple[int, ...]):
+    """The ``tiled`` argument of the gather/slice primitives for blocks of ``sizes``: True when
+    they are equal, else the sizes themselves (uneven blocks, exchanged padded)."""
+    return True if all(n == sizes[0] for n in sizes) else sizes
+
+
+def _check_shape(local: torch.Tensor, mesh: Mesh, layout: Layout, shape, spec) -> torch.Size:
+    """``shape`` as the global shape of which ``local`` is this rank's block, or a SpecError."""
+    shape = torch.Size(shape)
+    want = layout.local_shape(shape, mesh.shape, mesh.coordinate) if len(shape) == local.dim() else None
+    if want is None or tuple(local.shape) != want:
+        coord = " ".join(f"{a}={i}" for a, i in mesh.coordinate.items())
+        raise SpecError(
+            f"fs.Sharded: the local block of shape {tuple(local.shape)} is not the block of global shape "
+            f"{tuple(shape)} that spec {str(spec)!r} gives the rank at {coord} on {mesh!r}"
+            + (
+                f" ({want}, as torch.chunk cuts it)"
+                if want is not None
+                else f" (the spec has {local.dim()} dims)"
+            )
+            + "; pass the global shape of the whole value, or cut the blocks with torch.chunk"
+        )
+    return shape
+
+
+def _global_shape_of_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout) -> torch.Size | None:
+    """The global shape of which every rank's ``local`` is a block: None when the blocks are
+    equal (an even split), else found from the gathered shapes; a SpecError (on every rank
+    alike) when the blocks are not torch.chunk's blocks of one global value.
+
+    One small all-gather of ``[ndim, *shape]`` per rank, padded to a fixed length (shapes past 8
+    dims are compared by their first 8)."""
     g = mesh.axis_group(mesh.axis_names, "Sharded")
     mine = [local.dim(), *local.shape[:8]]
     with _comm.untracked():
         t = torch.tensor(mine + [0] * (9 - len(mine)), dtype=torch.int64, device=mesh.device)
         rows = _comm.all_gather_blocks(t, g).tolist()
     if all(row == rows[0] for row in rows):
-        return
+        return None
+    coords = [_coord_of(mesh, r) for r in mesh.ranks]
+    shapes = [tuple(row[1 : 1 + row[0]]) for row in rows]
+    shape: list[int] | None = None
+    if all(row[0] == local.dim() for row in rows) and local.dim() <= 8:
+        shape = []
+        for d, axes in enumerate(layout.dims):
+            if not axes:
+                shape.append(shapes[0][d])
+                continue
+            per_index: dict[int, int] = {}
+            for c, sh in zip(coords, shapes):
+                per_index.setdefault(layout.block_index(d, mesh.shape, c), sh[d])
+            shape.append(sum(per_index.values()))
+        if all(layout.local_shape(shape, mesh.shape, c) == sh for c, sh in zip(coords, shapes)):
+            return torch.Size(shape)
     by: dict = {}
-    for rank, row in zip(mesh.ranks, rows):
-        by.setdefault(tuple(row[1 : 1 + row[0]]), []).append(rank)
+    for rank, sh in zip(mesh.ranks, shapes):
+        by.setdefault(sh, []).append(rank)
     held = "; ".join(
-        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {shape}" for shape, r in by.items()
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {sh}" for sh, r in by.items()
+    )
+    cut = (
+        f"; as torch.chunk cuts a global shape {tuple(shape)}, they would be "
+        + "; ".join(
+            f"rank {r}: {layout.local_shape(shape, mesh.shape, c)}" for r, c in zip(mesh.ranks, coords)
+        )
+        if shape is not None
+        else ""
     )
     raise SpecError(
-        f"fs.Sharded: the local blocks for spec {str(spec)!r} on {mesh!r} differ in shape across "
-        f"ranks ({held}); every rank must hold an equal block, so the global shape is the same everywhere: "
-        f"drop or pad the uneven last batch (e.g. DataLoader(drop_last=True)), or gather it whole and use "
-        f"fs.shard(x, mesh, spec, src=0)"
+        f"fs.Sharded: the local blocks for spec {layout.spec_text()!r} on {mesh!r} are not the blocks of one "
+        f"global value ({held}){cut}; cut the blocks with torch.chunk (uneven blocks are fine: the first "
+        f"ones are the longer), drop or pad the uneven last batch (e.g. DataLoader(drop_last=True)), or "
+        f"gather it whole and use fs.shard(x, mesh, spec, src=0)"
     )
 
 
@@ -281,16 +357,28 @@ def _gather_to(x: Sharded, dst: int) -> torch.Tensor | None:
     g, index, coord = _dst_group(mesh, axes, dst)
     if g is None:
         return None
-    blocks = _comm.gather_blocks(local, g, index)  # [N, *block] on dst, row i from index i
+    shape = x.shape
+    largest = layout.local_shape(shape, mesh.shape)  # uneven blocks travel padded to the largest
+    blocks = _comm.gather_blocks(_pad_to(local, largest), g, index)  # [N, *block] on dst, row i from index i
     if blocks is None:
         return None
-    out = torch.empty(x.shape, dtype=local.dtype, device=local.device)
+    out = torch.empty(shape, dtype=local.dtype, device=local.device)
     for i in range(g.size):
         c, rem = dict(coord), i
         for a in reversed(axes):
             c[a] = rem % mesh.shape[a]
             rem //= mesh.shape[a]
-        _block(out, layout, mesh, c).copy_(blocks[i])
+        dest = _block(out, layout, mesh, c)
+        dest.copy_(blocks[i][tuple(slice(0, n) for n in dest.shape)])
+    return out
+
+
+def _pad_to(x: torch.Tensor, shape) -> torch.Tensor:
+    """``x`` zero-padded at the end of each dim to ``shape`` (``x`` itself when it has it)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    out = x.new_zeros(shape)
+    out[tuple(slice(0, n) for n in x.shape)] = x
     return out
 
 
@@ -389,30 +477,47 @@ def reduce_to(x, mesh: Mesh, dst: int = 0, *, axis=None):
     return optree.tree_unflatten(treedef, out)
 
 
-def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout) -> torch.Tensor:
-    """Move local block ``x`` from layout ``a`` to layout ``b`` (differentiable)."""
+def relayout(x: torch.Tensor, mesh: Mesh, a: Layout, b: Layout, shape) -> torch.Tensor:
+    """Move local block ``x`` of a value of global ``shape`` from layout ``a`` to layout ``b``
+    (differentiable)."""
     if a.dims == b.dims:
         return x
-    remove: dict[int, tuple[str, ...]] = {}
-    add: dict[int, tuple[str, ...]] = {}
+    remove: dict[int, tuple[int, tuple[str, ...]]] = {}  # dim -> (axes kept before, axes removed)
+    add: dict[int, tuple[int, tuple[str, ...]]] = {}
     for d, (pa, pb) in enumerate(zip(a.dims, b.dims)):
         k = 0
         while k < min(len(pa), len(pb)) and pa[k] == pb[k]:
             k += 1
         if pa[k:]:
-            remove[d] = pa[k:]
+            remove[d] = (k, pa[k:])
         if pb[k:]:
-            add[d] = pb[k:]
+            add[d] = (k, pb[k:])
+    even = a.is_even(shape, mesh.shape) and b.is_even(shape, mesh.shape)
     # A split that moves from one dim to another (innermost on both): one all_to_all.
-    if len(remove) == 1 and len(add) == 1:
-        (i, ra), (j, rb) = next(iter(remove.items())), next(iter(add.items()))
+    if even and len(remove) == 1 and len(add) == 1:
+        (i, (_, ra)), (j, (_, rb)) = next(iter(remove.items())), next(iter(add.items()))
         if i != j and ra == rb and len(ra) == 1:
             return _apply(AllToAll, x, mesh.axis_group(ra[0]), j, i)
-    for d, axes in remove.items():
-        x = _apply(AllGatherInvariant, x, mesh.axis_group(axes), d, True)
-    for d, axes in add.items():
-        x = _apply(LocalSlice, x, mesh.axis_group(axes), d, True)
+
+    def tiling(d: int, k: int, axes: tuple[str, ...]):
+        # the blocks of this rank's piece of dim d (cut by the k axes both layouts share) over axes
+        if even:
+            return True
+        piece = shape[d]
+        for ax in a.dims[d][:k]:
+            piece = _piece(piece, mesh.shape[ax], mesh.coordinate[ax])
+        return _tiling(chunk_sizes(piece, [mesh.shape[ax] for ax in axes]))
+
+    for d, (k, axes) in remove.items():
+        x = _apply(AllGatherInvariant, x, mesh.axis_group(axes), d, tiling(d, k, axes))
+    for d, (k, axes) in add.items():
+        x = _apply(LocalSlice, x, mesh.axis_group(axes), d, tiling(d, k, axes))
     return x
+
+
+def _piece(size: int, n: int, i: int) -> int:
+    """The length of piece ``i`` of ``size`` cut into ``n`` by torch.chunk."""
+    return chunk_sizes(size, [n])[i]
 
 
 def shard(x, mesh: Mesh, spec, *, src: int | None = None):
@@ -509,22 +614,26 @@ def _src_meta(x, src: int):
 def _shard_one(x: torch.Tensor, mesh: Mesh, spec, where: str) -> Sharded:
     layout = bind_or_raise(spec, mesh, x.shape, where)
     local = _block(x, layout, mesh, mesh.coordinate)
-    return Sharded._wrap(local.clone() if local is not x else local, mesh, layout)
+    return Sharded._wrap(local.clone() if local is not x else local, mesh, layout, x.shape)
 
 
 def _scatter_one(x, meta: _Leaf, mesh: Mesh, spec, src: int, where: str) -> Sharded:
     """One tensor of ``fs.shard(src=r)``: rank ``r`` scatters the blocks of ``x``."""
     layout = bind_or_raise(spec, mesh, meta.shape, where)
-    out = torch.empty(layout.local_shape(meta.shape, mesh.shape), dtype=meta.dtype, device=mesh.device)
+    largest = layout.local_shape(meta.shape, mesh.shape)  # uneven blocks travel padded to the largest
+    out = torch.empty(largest, dtype=meta.dtype, device=mesh.device)
     blocks = None
     if dist.get_rank() == src:
         assert isinstance(x, torch.Tensor)  # checked on rank src, and told to every rank
         blocks = [
-            _block(x, layout, mesh, _coord_of(mesh, r)).contiguous().to(mesh.device)
+            _pad_to(_block(x, layout, mesh, _coord_of(mesh, r)).to(mesh.device), largest).contiguous()
             for r in range(dist.get_world_size())
         ]
     _comm.scatter(out, blocks, src)
-    return Sharded._wrap(out, mesh, layout)
+    mine = layout.local_shape(meta.shape, mesh.shape, mesh.coordinate)
+    if mine != largest:
+        out = out[tuple(slice(0, n) for n in mine)].clone()
+    return Sharded._wrap(out, mesh, layout, torch.Size(meta.shape))
 
 
 def _tensor_tree(x, where: str):
@@ -652,7 +761,4 @@ def from_dtensor(dt) -> Sharded:
                 f"fs.from_dtensor: placement {p!r} is not supported; redistribute to Shard/Replicate"
             )
     layout = Layout(tuple(tuple(d) for d in dims), tuple(None for _ in dims))
-    problems = divisibility_problems(layout, dt.shape, mesh.shape)
-    if problems:
-        raise SpecError(report("fs.from_dtensor: uneven shards are not supported", problems))
-    return Sharded._wrap(dt.to_local(), mesh, layout)
+    return Sharded._wrap(dt.to_local(), mesh, layout, dt.shape)

@@ -17,7 +17,8 @@ def visualize(x: Sharded | str, shape=None, mesh: Mesh | None = None) -> str:
 
     Pass a `Sharded` value, or a spec with ``shape=`` and ``mesh=`` to see a layout
     before building it. Blocks are listed as index ranges of the global value, with the
-    ranks (and their mesh coordinates) that hold a copy.
+    ranks (and their mesh coordinates) that hold a copy. Uneven blocks (torch.chunk's cut)
+    are listed with their shapes.
 
     Examples:
         >>> print(fs.visualize("(dp b) (tp k)", shape=(8, 6), mesh=fs.Mesh(dp=2, tp=2)))
@@ -41,13 +42,15 @@ def visualize(x: Sharded | str, shape=None, mesh: Mesh | None = None) -> str:
         c = dict(zip(names, coord))
         rng = tuple((start, start + n) for start, n in layout.block(shape, sizes, c))
         blocks.setdefault(rng, []).append((mesh.ranks[flat], c))
-    local = layout.local_shape(shape, sizes)
+    even = layout.is_even(shape, sizes)
+    of = f"of {layout.local_shape(shape, sizes)}" if even else "cut as torch.chunk cuts (uneven)"
     copies = mesh.size // len(blocks)
     lines = [
         f"{shape} as {layout.spec_text()!r} on {mesh!r}: {len(blocks)} block{'s' if len(blocks) != 1 else ''} "
-        f"of {tuple(local)}, {copies} cop{'ies' if copies != 1 else 'y'} each"
+        f"{of}, {copies} cop{'ies' if copies != 1 else 'y'} each"
     ]
     for rng, holders in sorted(blocks.items()):
         where = ", ".join(f"rank {r} ({' '.join(f'{k}={v}' for k, v in c.items())})" for r, c in holders)
-        lines.append(f"  [{', '.join(f'{a}:{b}' for a, b in rng)}]  {where}")
+        size = "" if even else f" {tuple(b - a for a, b in rng)}"
+        lines.append(f"  [{', '.join(f'{a}:{b}' for a, b in rng)}]{size}  {where}")
     return "\n".join(lines)

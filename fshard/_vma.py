@@ -40,7 +40,7 @@ class Trace:
     keep nothing alive after the call.
     """
 
-    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "bucket_mb")
+    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "bucket_mb", "uneven")
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh
@@ -51,6 +51,8 @@ class Trace:
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
         self.bucket_mb = 0.0  # the shard_map's bucket size (for value_and_grad inside f)
+        # some input has uneven blocks: collectives first check that their operands agree in shape
+        self.uneven = False
 
     def __enter__(self) -> Trace:
         _stack.append(self)

@@ -290,7 +290,7 @@ def _saveable(x):
         layout = _mesh_order(x)
         if layout is not x.layout:
             x = x.reshard(layout)
-        return Sharded(x.local.detach(), x.mesh, x.layout).to_dtensor()
+        return x._like(x.local.detach()).to_dtensor()
     if isinstance(x, torch.Tensor):
         return x.detach()
     if isinstance(x, _SCALARS):
@@ -303,16 +303,18 @@ def _target(x):
     if isinstance(x, Sharded):
         buf = torch.empty_like(x.local, requires_grad=False)
         if x.mesh.size == 1:
-            return buf, lambda t: Sharded(t, x.mesh, x.layout)
+            return buf, x._like
         layout = _mesh_order(x)
         if layout is not x.layout:
-            buf = torch.empty(layout.local_shape(x.shape, x.mesh.shape), dtype=x.dtype, device=x.device)
+            buf = torch.empty(
+                layout.local_shape(x.shape, x.mesh.shape, x.mesh.coordinate), dtype=x.dtype, device=x.device
+            )
 
         def done(dt):
-            s = Sharded(dt.to_local(), x.mesh, layout)
+            s = Sharded._wrap(dt.to_local(), x.mesh, layout, x.shape)
             return s.reshard(x.layout) if layout is not x.layout else s
 
-        return Sharded(buf, x.mesh, layout).to_dtensor(), done
+        return Sharded._wrap(buf, x.mesh, layout, x.shape).to_dtensor(), done
     if isinstance(x, torch.Tensor):
         return torch.empty_like(x, requires_grad=False), lambda t: t
     return x, lambda v: v

@@ -50,7 +50,7 @@ def _split(tree):
 def _join(locals_, like, treedef):
     return optree.tree_unflatten(
         treedef,
-        [Sharded._wrap(t, x.mesh, x.layout) if isinstance(x, Sharded) else t for t, x in zip(locals_, like)],
+        [x._like(t) if isinstance(x, Sharded) else t for t, x in zip(locals_, like)],
     )
 
 

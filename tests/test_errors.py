@@ -120,26 +120,6 @@ CASES = {
         _head("_ident", what="out_specs") + "  - out (local shape (2, 3)) with spec '(dp b)': the spec names "
         "1 dim but the tensor has 2; write one name per dim, or '...' for unsplit dims",
     ),
-    "not_divisible": (
-        lambda m: _sm(_ident, m, "(dp b) n", "(dp b) n", (5, 3)),
-        "SpecError",
-        _head("_ident")
-        + "  - args[0] (shape (5, 3)) with spec '(dp b) n': dim 0 (b) of size 5 is split over "
-        "dp (size 2), and 2 does not divide 5; pad it to 6",
-    ),
-    "not_divisible_two_axes": (
-        lambda m: _sm(_ident, m, "b (tp dp n)", "b (tp dp n)", (3, 6)),
-        "SpecError",
-        _head("_ident") + "  - args[0] (shape (3, 6)) with spec 'b (tp dp n)': dim 1 (n) of size 6 is split "
-        "over tp (size 2) and dp (size 2), and 4 does not divide 6; pad it to 8",
-    ),
-    "not_divisible_reduce_scatter_output": (
-        lambda m: _sm(_ident, m, "(dp b) n", "(dp b) (tp n) | sum(tp)", ONES43),
-        "SpecError",
-        _head("_ident", what="out_specs")
-        + "  - out (local shape (2, 3)) with spec '(dp b) (tp n) | sum(tp)': "
-        "dim 1 of size 3 is reduce-scattered over tp (size 2), which does not divide it; pad it to 4",
-    ),
     "summed_axis_not_last_in_group": (
         lambda m: _sm(_ident, m, "(dp tp b) n", "(tp dp b) n | sum(tp)", (8, 3)),
         "SpecError",
@@ -169,13 +149,13 @@ CASES = {
         "only valid in out_specs; pass the reduced value instead",
     ),
     "several_problems": (
-        lambda m: _sm(_three, m, ("(dq b) n", "(dp c) m", "(tp c) m k"), "(dp b) n", ONES43, (5, 2), (4, 3)),
+        lambda m: _sm(_three, m, ("(dq b) n", "(dp c) tp", "(tp c) m k"), "(dp b) n", ONES43, (5, 2), (4, 3)),
         "SpecError",
         _head("_three", 3)
         + f"  - args[0] (shape (4, 3)) with spec '(dq b) n': 'dq' in (dq b) is not an axis of {MESH} "
         f"(did you mean 'dp'?); {_GROUP_HINT}\n"
-        "  - args[1] (shape (5, 2)) with spec '(dp c) m': dim 0 (c) of size 5 is split over dp (size 2), "
-        "and 2 does not divide 5; pad it to 6\n"
+        f"  - args[1] (shape (5, 2)) with spec '(dp c) tp': 'tp' is a mesh axis of {MESH}, so it cannot "
+        "label dim 1: write (tp x) to split this dim over tp, or rename the dim\n"
         "  - args[2] (shape (4, 3)) with spec '(tp c) m k': the spec names 3 dims but the tensor has 2; "
         "write one name per dim, or '...' for unsplit dims",
     ),
@@ -228,14 +208,6 @@ CASES = {
         + "  - out: f returned a Sharded value; return local tensors from f",
     ),
     # Sharded / fs.shard
-    "shard_not_divisible": (
-        lambda m: fs.shard(torch.ones(5, 3), m, "(dp b) n"),
-        "SpecError",
-        (
-            f"fs.shard: spec '(dp b) n' for shape (5, 3) on {MESH}:\n  - dim 0 (b) of size 5 is split over "
-            "dp (size 2), and 2 does not divide 5; pad it to 6"
-        ),
-    ),
     "shard_unknown_axis": (
         lambda m: fs.shard(torch.ones(4, 3), m, "(dq b) n"),
         "SpecError",
@@ -264,14 +236,6 @@ CASES = {
         lambda m: fs.shard([1.0, 2.0], m, "b"),
         "ArgumentError",
         "fs.shard expects a torch.Tensor, got list",
-    ),
-    "reshard_not_divisible": (
-        lambda m: fs.shard(torch.ones(4, 6), m, "(dp b) n").reshard("b (dp tp n)"),
-        "SpecError",
-        (
-            f"Sharded.reshard: spec 'b (dp tp n)' for shape (4, 6) on {MESH}:\n  - dim 1 (n) of size 6 is "
-            "split over dp (size 2) and tp (size 2), and 4 does not divide 6; pad it to 8"
-        ),
     ),
     "sharded_constructor_bad_spec": (
         lambda m: fs.Sharded(torch.ones(2, 3), m, "(dp b)"),

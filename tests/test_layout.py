@@ -3,7 +3,8 @@
 Rank-free unit tests of ``fshard._layout``: ``bind(spec, axis_sizes, ndim)`` returns
 ``(layout, problems)``; a layout gives the mesh axes of each dim (``dims``, ``split_axes``), block
 and global shapes (``local_shape`` / ``global_shape``), its canonical spec text (``spec_text``),
-and ``divisibility_problems`` lists the dims a mesh does not divide. Expectations are computed
+and which block each mesh coordinate holds (``block``: torch.chunk's cut, uneven when the mesh does
+not divide a dim; more in ``test_uneven.py``). Expectations are computed
 here independently: for random meshes and specs built from known parts (hypothesis), and as full
 problem texts for the usual mistakes.
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fshard._layout import bind, divisibility_problems
+from fshard._layout import bind
 
 MESH_AXES = ("dp", "tp", "pp", "sp")
 LABELS = ("b", "s", "h", "d", "k", "n")
@@ -103,24 +105,35 @@ def test_block_shape_times_axis_sizes_is_the_global_shape(case, data):
     whole = tuple(n * math.prod(mesh_shape[a] for a in axes) for n, axes in zip(block, dims))
     assert layout.global_shape(block, mesh_shape) == whole
     assert layout.local_shape(whole, mesh_shape) == block
-    assert divisibility_problems(layout, whole, mesh_shape) == []
+    assert layout.is_even(whole, mesh_shape)
 
 
 @settings(max_examples=200, deadline=None)
 @given(written_specs(), st.data())
-def test_divisibility_problems_name_each_undivided_dim_in_order(case, data):
+def test_blocks_tile_the_global_value_as_torch_chunk_cuts(case, data):
     text, axis_sizes, dims, _, _ = case
     mesh_shape = dict(axis_sizes)
     layout, _ = bind(text, axis_sizes, len(dims))
-    shape = data.draw(st.lists(st.integers(1, 12), min_size=len(dims), max_size=len(dims)))
+    shape = data.draw(st.lists(st.integers(0, 12), min_size=len(dims), max_size=len(dims)))
     parts = [math.prod(mesh_shape[a] for a in axes) for axes in dims]
-    undivided = [(i, size, n) for i, (size, n) in enumerate(zip(shape, parts)) if size % n]
-    problems = divisibility_problems(layout, shape, mesh_shape)
-    assert len(problems) == len(undivided)
-    for problem, (i, size, n) in zip(problems, undivided):
-        assert problem.startswith(f"dim {i} ")
-        assert f" of size {size} is split over " in problem
-        assert problem.endswith(f", and {n} does not divide {size}; pad it to {-(-size // n) * n}")
+    assert layout.is_even(shape, mesh_shape) == all(size % n == 0 for size, n in zip(shape, parts))
+    names = list(mesh_shape)
+    coords = [{}]
+    for a in names:
+        coords = [{**c, a: i} for c in coords for i in range(mesh_shape[a])]
+    for d, axes in enumerate(dims):
+        # the blocks of dim d, by block index: disjoint, in order, covering it, the first the longer
+        by_index = {}
+        for c in coords:
+            by_index.setdefault(layout.block_index(d, mesh_shape, c), layout.block(shape, mesh_shape, c)[d])
+        assert sorted(by_index) == list(range(parts[d]))
+        pieces = [by_index[i] for i in range(parts[d])]
+        assert sum(n for _, n in pieces) == shape[d]
+        assert all(a[0] + a[1] == b[0] or b[1] == 0 for a, b in zip(pieces, pieces[1:]))
+        assert [n for _, n in pieces] == sorted((n for _, n in pieces), reverse=True) or len(axes) > 1
+        if len(axes) == 1:  # one axis: exactly torch.chunk's pieces, then empty ones
+            chunks = [t.numel() for t in torch.arange(shape[d]).chunk(parts[d])] if shape[d] else []
+            assert [n for _, n in pieces] == chunks + [0] * (parts[d] - len(chunks))
 
 
 # == examples =================================================================================
@@ -347,60 +360,6 @@ def test_bind_problems(spec, axis_sizes, ndim, problems):
     layout, got = bind(spec, axis_sizes, ndim)
     assert layout is None
     assert list(got) == problems
-
-
-@pytest.mark.parametrize(
-    "spec, axis_sizes, ndim, shape, problems",
-    [
-        pytest.param("(dp b) d", DP2, 2, (4, 3), [], id="divided"),
-        pytest.param(
-            "(dp tp b) d",
-            DP2_TP3,
-            2,
-            (10, 4),
-            [
-                (
-                    "dim 0 (b) of size 10 is split over dp (size 2) and tp (size 3), and 6 does not divide 10; "
-                    "pad it to 12"
-                )
-            ],
-            id="two-axes",
-        ),
-        pytest.param(
-            "b (tp k)",
-            TP4,
-            2,
-            (3, 6),
-            ["dim 1 (k) of size 6 is split over tp (size 4), and 4 does not divide 6; pad it to 8"],
-            id="second-dim",
-        ),
-        pytest.param(
-            "(dp b) (tp k)",
-            DP2_TP3,
-            2,
-            (3, 7),
-            [
-                "dim 0 (b) of size 3 is split over dp (size 2), and 2 does not divide 3; pad it to 4",
-                "dim 1 (k) of size 7 is split over tp (size 3), and 3 does not divide 7; pad it to 9",
-            ],
-            id="both-dims",
-        ),
-        pytest.param(
-            "(dp _) (tp _)",
-            DP2_TP3,
-            2,
-            (3, 7),
-            [
-                "dim 0 of size 3 is split over dp (size 2), and 2 does not divide 3; pad it to 4",
-                "dim 1 of size 7 is split over tp (size 3), and 3 does not divide 7; pad it to 9",
-            ],
-            id="anonymous-dims-are-not-named",
-        ),
-    ],
-)
-def test_divisibility_problems(spec, axis_sizes, ndim, shape, problems):
-    layout, _ = bind(spec, axis_sizes, ndim)
-    assert divisibility_problems(layout, shape, dict(axis_sizes)) == problems
 
 
 def test_anonymous_label_is_kept_and_never_reported_twice():

@@ -9,7 +9,8 @@ profiler labels.
 - Pytrees: ``fs.shard`` with a spec prefix tree, and the tree forms of the collectives; psum, pmean,
   all_gather and psum_scatter coalesce the leaves of one dtype into one collective, forward and
   backward (values and gradients against plain torch on the global tensors).
-- ``fs.Sharded.from_local``: per-rank blocks, checked to agree in shape.
+- ``fs.Sharded.from_local``: per-rank blocks, checked to tile one global value (uneven blocks in
+  ``test_uneven.py``).
 - ``torch.profiler`` sees every collective as ``fshard.{kind}[{axes}] {nbytes}B``.
 
 Global tensors are built in the test process; rank functions compute with fshard and return what the
@@ -331,7 +332,7 @@ def _rank_shard_tree_errors():
         "two_bad_specs": lambda: fs.shard(
             {"a": torch.ones(3, 2), "b": torch.ones(4), "c": torch.ones(5)},
             mesh,
-            {"a": "(dp n) k", "b": "(tp n)", "c": "(tp n)"},
+            {"a": "(dp n) k z", "b": "(tp n)", "c": "(tq n)"},
         ),
     }
     out = {}
@@ -374,10 +375,11 @@ def test_shard_tree_errors():
         "no_tensor": ("ArgumentError", "fs.shard expects a torch.Tensor, got list"),
         "two_bad_specs": (
             "SpecError",
-            f"fs.shard at x['a']: spec '(dp n) k' for shape (3, 2) on {mesh}:\n"
-            "  - dim 0 (n) of size 3 is split over dp (size 2), and 2 does not divide 3; pad it to 4\n"
-            f"fs.shard at x['c']: spec '(tp n)' for shape (5,) on {mesh}:\n"
-            "  - dim 0 (n) of size 5 is split over tp (size 2), and 2 does not divide 5; pad it to 6",
+            f"fs.shard at x['a']: spec '(dp n) k z' for shape (3, 2) on {mesh}:\n"
+            "  - the spec names 3 dims but the tensor has 2; write one name per dim, or '...' for unsplit dims\n"
+            f"fs.shard at x['c']: spec '(tq n)' for shape (5,) on {mesh}:\n"
+            f"  - 'tq' in (tq n) is not an axis of {mesh} (did you mean 'tp'?); a group lists mesh axes "
+            "first, then one dim label",
         ),
     }
     got = run_ranks(4, _rank_shard_tree_errors)
@@ -653,13 +655,11 @@ def test_from_local():
         assert shape == (8, 3) and spec == "(dp b) d"
         assert torch.equal(full, X)
         assert kinds == {("all_gather", ("dp",)): 1}  # the shape check
-    want = (
-        "fs.Sharded: the local blocks for spec '(dp b) d' on Mesh(dp=4) differ in shape across ranks "
-        "(ranks 0, 1, 2: (2, 3); rank 3: (1, 3)); every rank must hold an equal block, so the global shape "
-        "is the same everywhere: drop or pad the uneven last batch (e.g. DataLoader(drop_last=True)), or "
-        "gather it whole and use fs.shard(x, mesh, spec, src=0)"
-    )
-    assert run_ranks(4, _rank_from_local, X, True) == [want] * 4
+    # an uneven last batch (2, 2, 2, 1 rows: torch.chunk's blocks of 7 rows) is a 7-row global batch
+    for shape, spec, full, kinds in run_ranks(4, _rank_from_local, X, True):
+        assert shape == (7, 3) and spec == "(dp b) d"
+        assert torch.equal(full, X[:7])
+        assert kinds == {("all_gather", ("dp",)): 1}
 
 
 # =============================================================================================

@@ -349,7 +349,7 @@ def _rank_sharded_uneven():
     import torch.distributed as dist
 
     mesh = fs.Mesh(dp=4)
-    rows = 3 if dist.get_rank() < 3 else 1  # an uneven last batch on rank 3
+    rows = 1 if dist.get_rank() == 1 else 3  # not torch.chunk's blocks (those would be 3, 3, 3, 1)
     try:
         fs.Sharded(torch.ones(rows, 2), mesh, "(dp b) d")
     except fs.SpecError as e:
@@ -361,10 +361,11 @@ def test_sharded_from_uneven_blocks_raises_on_every_rank():
     texts = run_ranks(4, _rank_sharded_uneven)
     assert texts == [texts[0]] * 4
     assert texts[0] == (
-        "fs.Sharded: the local blocks for spec '(dp b) d' on Mesh(dp=4) differ in shape across ranks (ranks "
-        "0, 1, 2: (3, 2); rank 3: (1, 2)); every rank must hold an equal block, so the global shape is the "
-        "same everywhere: drop or pad the uneven last batch (e.g. DataLoader(drop_last=True)), or gather it "
-        "whole and use fs.shard(x, mesh, spec, src=0)"
+        "fs.Sharded: the local blocks for spec '(dp b) d' on Mesh(dp=4) are not the blocks of one global "
+        "value (ranks 0, 2, 3: (3, 2); rank 1: (1, 2)); as torch.chunk cuts a global shape (10, 2), they "
+        "would be rank 0: (3, 2); rank 1: (3, 2); rank 2: (3, 2); rank 3: (1, 2); cut the blocks with "
+        "torch.chunk (uneven blocks are fine: the first ones are the longer), drop or pad the uneven last "
+        "batch (e.g. DataLoader(drop_last=True)), or gather it whole and use fs.shard(x, mesh, spec, src=0)"
     )
 
 
