@@ -1,0 +1,632 @@
+"""Per-rank values and branching on a rank's index: pipeline stages whose parameters differ in shape.
+
+`PerRank` holds, on each rank, that rank's own pytree (its pipeline stage's parameters, say),
+varying over some mesh axes (``"pp"``) and replicated over the others (``"dp"``). Passed to a
+``shard_map``'d function, its leaves reach ``f`` as they are (no slicing, no gathering), tagged as
+varying over those axes, so their gradients are never summed over them; returned from ``f``, the
+tree comes back as a `PerRank` value. `switch` runs this rank's branch of a list (one per stage)
+and tags what it returns as varying over the index's axes.
+
+Hooks used by ``_shard_map``: `per_rank_leaves`, `mark_inputs`, `mark_outputs`, `unwrap`,
+`debug_check_inputs`, `debug_check_outputs`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from typing import Any
+
+import optree
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _comm, _debug, _vma
+from ._comm import untracked
+from ._errors import ArgumentError, CollectiveError, SpecError, TracingError
+from ._mesh import Mesh
+from ._primitives import apply as _apply
+from ._sharded import Sharded
+
+__all__ = ["PerRank", "switch"]
+
+_Tensor = torch.Tensor
+
+
+# == per-rank values ======================================================================
+
+
+class PerRank:
+    """This rank's own pytree: a value that varies over mesh ``axes`` and is replicated over the others.
+
+    Each rank holds only its own tree (the parameters of its pipeline stage), so trees may differ
+    in structure and shapes from one index along ``axes`` to the next: an embedding on stage 0,
+    wider layers on stage 1, a head on the last stage. The ranks that share an index along ``axes``
+    (the copies along the other axes, e.g. ``"dp"``) hold the same tree.
+
+    As a ``shard_map`` argument, ``f`` receives ``tree`` itself: this rank's plain tensors, not
+    sliced and not gathered, varying over ``axes``. Their gradients are summed over the other axes
+    where ``f`` uses them with data that varies over those (data parallel over ``"dp"``), never over
+    ``axes``. The in_spec of a `PerRank` argument is ``None`` (the tensors as they are), or a spec
+    that splits their dims over *other* axes (each index's tree is then sliced like a global value
+    over those, e.g. ``"(tp o) i"`` for tensor parallelism inside a stage). Returning
+    ``fs.PerRank(tree, axes)`` from ``f`` gives a `PerRank` value back, with no communication (its
+    out_spec: ``None``, or a split over other axes).
+
+    `PerRank` is a pytree node: `value_and_grad` of a `PerRank` argument returns `PerRank`
+    gradients, and ``fs.optim`` updates return `PerRank` parameters.
+
+    Checks: outside ``shard_map`` the constructor checks (one small all-gather over the mesh,
+    when some other axis has size > 1) that the ranks sharing an index hold trees of the same
+    structure, shapes and dtypes, and raises the same `SpecError` on every rank otherwise. Under
+    `fs.debug`, each ``shard_map`` call also checks that they hold the same values. Inside
+    ``shard_map`` (``mesh`` defaults to the call's mesh) nothing is communicated: the call's
+    replication check applies to the other axes.
+
+    Args:
+        tree: this rank's pytree of tensors.
+        axes: the mesh axis (or tuple of axes) the value varies over, e.g. ``"pp"``.
+        mesh: the `Mesh` (the running call's mesh inside ``shard_map``).
+
+    Raises:
+        ArgumentError: for an unknown axis, a missing mesh, or a leaf that is a `Sharded` or
+            `PerRank` value.
+        SpecError: when ranks that share an index hold trees of different structure or shapes.
+
+    Examples:
+        >>> mesh = fs.Mesh(dp=2, pp=2)
+        >>> params = fs.PerRank.build(mesh, "pp", [init_embed_and_layers, init_layers_and_head])
+        >>> params.index, params.axes          # this rank's stage
+        (1, ('pp',))
+        >>> pipe = fs.shard_map(pipeline, mesh=mesh, in_specs=(None, "(dp b) s"), out_specs="")
+        >>> loss, grads = fs.value_and_grad(pipe)(params, tokens)   # grads: a PerRank, this stage's
+    """
+
+    __slots__ = ("tree", "mesh", "axes")
+
+    def __init__(self, tree, axes, mesh: Mesh | None = None):
+        tr = _vma.active()
+        if mesh is None:
+            if tr is None:
+                raise ArgumentError(
+                    "fs.PerRank: pass mesh= (the fs.Mesh whose axes the value varies over); only inside "
+                    "fs.shard_map does it default to the call's mesh"
+                )
+            mesh = tr.mesh
+        if not isinstance(mesh, Mesh):
+            raise ArgumentError(f"fs.PerRank: mesh must be an fs.Mesh, got {type(mesh).__name__}")
+        if tr is not None and mesh != tr.mesh:
+            raise ArgumentError(
+                f"fs.PerRank: mesh {mesh!r} is not the mesh {tr.mesh!r} of the running fs.shard_map({tr.where})"
+            )
+        self.tree, self.mesh, self.axes = tree, mesh, _check_axes(mesh, axes, "fs.PerRank")
+        for path, x in zip(*optree.tree_flatten_with_path(tree)[:2]):
+            if isinstance(x, (Sharded, PerRank)):
+                where = "tree" + "".join(f"[{k!r}]" for k in path)
+                raise ArgumentError(
+                    f"fs.PerRank: {where} is an fs.{type(x).__name__} value; a per-rank value holds this "
+                    f"rank's own plain tensors (use .full() or .tree to get them)"
+                )
+        if tr is None:
+            _check_replicas(self)
+
+    @classmethod
+    def build(cls, mesh: Mesh, axes, build) -> PerRank:
+        """Build only this rank's tree: ``build[i]()`` (or ``build(i)``) for this rank's index ``i``.
+
+        As each rank of ``torch.distributed.pipelining`` builds only its own stage: the other
+        stages' parameters are never made here.
+
+        Args:
+            mesh: the `Mesh`.
+            axes: the axis (or axes) the value varies over, e.g. ``"pp"``.
+            build: one entry per index along ``axes`` (a callable returning that index's tree, or
+                the tree), or one callable taking the index.
+
+        Raises:
+            ArgumentError: when ``build`` is a list whose length is not the size of ``axes``.
+
+        Examples:
+            >>> params = fs.PerRank.build(mesh, "pp", [lambda: embed_stage(seed=0), lambda: head_stage(seed=1)])
+            >>> params = fs.PerRank.build(mesh, "pp", lambda stage: init_stage(stage))
+        """
+        if not isinstance(mesh, Mesh):
+            raise ArgumentError(f"fs.PerRank.build: mesh must be an fs.Mesh, got {type(mesh).__name__}")
+        names = _check_axes(mesh, axes, "fs.PerRank.build")
+        g = mesh.axis_group(names, "PerRank.build")
+        if callable(build):
+            tree = build(g.index)
+        else:
+            entries = list(build)
+            if len(entries) != g.size:
+                raise ArgumentError(
+                    f"fs.PerRank.build: got {len(entries)} entries for axis {_axes_text(names)} of size "
+                    f"{g.size}; give one per index (a callable returning that index's tree), or one callable "
+                    f"taking the index"
+                )
+            entry = entries[g.index]
+            tree = entry() if callable(entry) else entry
+        return cls(tree, names, mesh)
+
+    @classmethod
+    def _wrap(cls, tree, mesh: Mesh, axes: tuple[str, ...]) -> PerRank:
+        """A PerRank value fshard computed (from an unflatten, or an output): no checks."""
+        self = cls.__new__(cls)
+        self.tree, self.mesh, self.axes = tree, mesh, axes
+        return self
+
+    @property
+    def index(self) -> int:
+        """This rank's index along ``axes`` (first axis major): the stage it holds."""
+        return self.mesh.axis_index(self.axes)
+
+    def __repr__(self) -> str:
+        leaves, treedef = optree.tree_flatten(self.tree)
+        shapes = [tuple(x.shape) if isinstance(x, _Tensor) else type(x).__name__ for x in leaves]
+        return (
+            f"PerRank(axes={self.axes}, index={self.index}, mesh={self.mesh!r}, "
+            f"{len(leaves)} leaves {shapes if len(shapes) <= 8 else str(shapes[:8])[:-1] + ', ...]'})"
+        )
+
+
+def _flatten(p: Any):
+    return (p.tree,), (p.mesh, p.axes), ("tree",)
+
+
+def _unflatten(aux: Any, children: Any) -> Any:
+    return PerRank._wrap(children[0], aux[0], aux[1])
+
+
+optree.register_pytree_node(
+    PerRank,  # type: ignore[arg-type]
+    _flatten,
+    _unflatten,
+    path_entry_type=optree.GetAttrEntry,
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),  # seen by every optree.tree_flatten
+)
+
+
+def _check_axes(mesh: Mesh, axes, where: str) -> tuple[str, ...]:
+    try:
+        return mesh.check_axes(axes, where.removeprefix("fs."))
+    except CollectiveError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def _axes_text(names: tuple[str, ...]) -> str:
+    return repr(names[0]) if len(names) == 1 else repr(names)
+
+
+def _sig(obj) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(obj).encode(), digest_size=7).digest(), "little")
+
+
+def _tree_sig(tree) -> int:
+    """A digest of a tree's structure and its leaves' shapes and dtypes."""
+    leaves, treedef = optree.tree_flatten(tree)
+    return _sig((treedef, [(tuple(x.shape), x.dtype) if isinstance(x, _Tensor) else type(x) for x in leaves]))
+
+
+def _replica_axes(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1)
+
+
+def _gather_rows(mesh: Mesh, row: list[int], where: str) -> list[list[int]]:
+    g = mesh.axis_group(mesh.axis_names, where)
+    with untracked():
+        t = torch.tensor(row, dtype=torch.int64, device=mesh.device)
+        return _comm.all_gather_blocks(t, g).tolist()
+
+
+def _odd_groups(mesh: Mesh, rows: list[list[int]], col: int) -> list[str]:
+    """For each key (rows[r][0]) whose rows disagree in column ``col``: which ranks hold what."""
+    by_key: dict = {}
+    for rank, row in zip(mesh.ranks, rows):
+        by_key.setdefault(row[0], {}).setdefault(row[col], []).append(rank)
+    out = []
+    for key, by_val in sorted(by_key.items()):
+        if len(by_val) > 1:
+            held = " vs ".join(
+                f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for r in by_val.values()
+            )
+            out.append(f"index {key}: {held}")
+    return out
+
+
+def _check_replicas(p: PerRank) -> None:
+    """The ranks that share ``p``'s index must hold trees of one structure, shapes and dtypes."""
+    mesh = p.mesh
+    replicas = _replica_axes(mesh, p.axes)
+    if not replicas:
+        return
+    row = [p.index, _tree_sig(p.tree)]
+    if _debug.enabled:
+        row.append(_values_sig(optree.tree_leaves(p.tree)))
+    rows = _gather_rows(mesh, row, "PerRank")
+    odd = _odd_groups(mesh, rows, 1)
+    if odd:
+        raise SpecError(
+            f"fs.PerRank: the ranks that hold the same index along {_axes_text(p.axes)} (the copies along "
+            f"{', '.join(map(repr, replicas))}) hold trees of different structure, shapes or dtypes "
+            f"({'; '.join(odd)}); a per-rank value is replicated over the other axes: build it the same way on "
+            f"every rank of an index (e.g. fs.PerRank.build(mesh, {_axes_text(p.axes)}, [...]) with the same seeds)"
+        )
+    if _debug.enabled:
+        _raise_values(mesh, p.axes, replicas, _odd_groups(mesh, rows, 2), "fs.PerRank [debug]")
+
+
+def _values_sig(leaves) -> int:
+    digests = [_debug._digest(x) if isinstance(x, _Tensor) else 0 for x in leaves]
+    return _sig(digests)
+
+
+def _raise_values(mesh, axes, replicas, odd: list[str], where: str) -> None:
+    if odd:
+        raise TracingError(
+            f"{where}: the per-rank values over {_axes_text(axes)} differ between ranks that hold the same index "
+            f"({'; '.join(odd)}); they are replicated over {', '.join(map(repr, replicas))}: initialize them "
+            f"with the same seed on every rank of an index, and update them with gradients that are summed "
+            f"over {', '.join(map(repr, replicas))}"
+        )
+
+
+# == shard_map hooks ======================================================================
+
+
+def _is_per_rank(x) -> bool:
+    return isinstance(x, PerRank)
+
+
+def per_rank_leaves(tree) -> dict[int, PerRank]:
+    """``{leaf index: the PerRank value it is part of}`` for the leaves of ``tree`` inside one."""
+    out: dict[int, PerRank] = {}
+    i = 0
+    for top in optree.tree_leaves(tree, is_leaf=_is_per_rank):
+        if isinstance(top, PerRank):
+            n = len(optree.tree_leaves(top.tree))
+            for k in range(i, i + n):
+                out[k] = top
+            i += n
+        else:
+            i += 1
+    return out
+
+
+def mark_inputs(plans, per_rank: dict, specs, paths, mesh: Mesh, kinds) -> list[str]:
+    """Turn the plans of the inputs inside PerRank values into ``kinds.PER_RANK`` plans varying
+    over the value's axes (sliced over the spec's axes like a global value); returns problems."""
+    problems = []
+    for i, pr in per_rank.items():
+        p = plans[i]
+        if p is None or p.kind is kinds.PASS:
+            continue
+        path, spec = paths[i], str(specs[i])
+        if pr.mesh != mesh:
+            problems.append(
+                f"{path} is part of an fs.PerRank value on {pr.mesh!r}, not on this shard_map's mesh {mesh!r}"
+            )
+            continue
+        if p.kind is not kinds.GLOBAL:
+            continue  # a Sharded leaf: refused when the PerRank value was built
+        clash = [a for a in pr.axes if a in p.layout.split_axes]
+        if clash:
+            problems.append(
+                f"{path} with spec {spec!r} splits a dim over {', '.join(map(repr, clash))}, an axis its "
+                f"fs.PerRank value varies over (each rank already holds only its own value); split only over "
+                f"the other axes, or give the spec None"
+            )
+            continue
+        p.kind = kinds.PER_RANK
+        p.bits |= mesh.bits(pr.axes)
+    return problems
+
+
+def mark_outputs(plans, per_rank: dict, specs, paths, mesh: Mesh, kinds) -> list[str]:
+    """Let the outputs inside PerRank values vary over the value's axes; returns problems."""
+    problems = []
+    for i, pr in per_rank.items():
+        p = plans[i]
+        if p is None or p.kind is kinds.PASS:
+            continue
+        bits = mesh.bits(pr.axes)
+        if p.allowed & bits:
+            clash = mesh.names_of(p.allowed & bits)
+            problems.append(
+                f"{paths[i]} with spec {str(specs[i])!r} splits or sums over {', '.join(map(repr, clash))}, an axis "
+                f"its fs.PerRank value varies over (each rank returns its own value); split only over the other "
+                f"axes, or give the spec None"
+            )
+            continue
+        p.allowed |= bits
+    return problems
+
+
+def unwrap(tree):
+    """``tree`` with each PerRank value replaced by its tree (what ``f`` receives)."""
+    return optree.tree_map(lambda x: x.tree if isinstance(x, PerRank) else x, tree, is_leaf=_is_per_rank)
+
+
+def local_treedef(args):
+    """The treedef of what ``f`` receives for ``args``: each PerRank value replaced by its tree."""
+    return optree.tree_structure(unwrap(args))
+
+
+def _union_axes(mesh: Mesh, values) -> tuple[str, ...]:
+    axes = {a for p in values for a in p.axes}
+    return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def debug_check_inputs(name: str, mesh: Mesh, args, leaves, plans, kind) -> None:
+    """fs.debug: the per-rank inputs hold the same values on the ranks that share their index."""
+    tops = [x for x in optree.tree_leaves(args, is_leaf=_is_per_rank) if isinstance(x, PerRank)]
+    if not tops:
+        return
+    axes = _union_axes(mesh, tops)
+    replicas = _replica_axes(mesh, axes)
+    if not replicas:
+        return
+    vals = [x for x, p in zip(leaves, plans) if p is not None and p.kind is kind]
+    rows = _gather_rows(mesh, [mesh.axis_index(axes), _values_sig(vals)], "debug")
+    _raise_values(mesh, axes, replicas, _odd_groups(mesh, rows, 1), f"fs.shard_map({name}) [debug]")
+
+
+def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey) -> None:
+    """fs.debug's output check, with the trees inside PerRank outputs compared only between the
+    ranks that share their index (they may differ from one index to the next)."""
+    tops, treedef = optree.tree_flatten(out, is_leaf=_is_per_rank)
+    per_rank = [x for x in tops if isinstance(x, PerRank)]
+    if not per_rank:
+        _debug.check_outputs(name, mesh, out_leaves, okey)
+        return
+    if mesh.size == 1:
+        return
+    axes = _union_axes(mesh, per_rank)
+    common = _sig((treedef, [("PerRank", x.axes) if isinstance(x, PerRank) else _shape_of(x) for x in tops]))
+    own = _sig([_tree_sig(x.tree) for x in per_rank])
+    rows = _gather_rows(mesh, [mesh.axis_index(axes), common, own], "debug")
+    odd = _odd_groups(mesh, rows, 2)
+    if len({r[1] for r in rows}) > 1:
+        odd.insert(0, f"equal within: {_debug._groups([r[1] for r in rows], mesh)}")
+    if odd:
+        raise TracingError(
+            f"fs.shard_map({name}) [debug]: f returned outputs whose structure or local shapes differ across "
+            f"ranks ({'; '.join(odd)}; the trees of fs.PerRank outputs are compared only between ranks with the "
+            f"same index along {_axes_text(axes)}); a data-dependent shape (x[mask], nonzero, unique) on a varying "
+            f"value differs per rank: pad it to a fixed size (torch.where with a fill value)"
+        )
+
+
+def _shape_of(x):
+    return tuple(x.shape) if isinstance(x, _Tensor) else None
+
+
+# == switch ===============================================================================
+
+
+def switch(index, branches, *operands):
+    """Run ``branches[index](*operands)`` on this rank: the sanctioned way to branch on a varying index.
+
+    A Python ``if`` on ``fs.axis_index("pp")`` raises inside ``shard_map`` (each rank would take its
+    own branch unseen by the tracking); ``switch`` is ``jax.lax.switch`` for per-rank code: each rank
+    runs only its own branch (eagerly), so branches may hold different layers with different shapes,
+    and what they return is tagged as varying over the index's axes. Inside branch ``s`` the stage
+    number is a plain Python constant (bind it with ``functools.partial`` or a default argument).
+
+    Rules, because each rank runs a different branch:
+
+    - Collectives over the index's axes (``"pp"``) must be issued by every branch alike (same kind,
+      order and shapes), or kept outside the switch; collectives over other axes are free (the
+      ranks along them run the same branch).
+    - Code outside ``switch`` runs the same on every rank. Outputs need a gradient on every rank
+      when any operand does (a branch may return constants, e.g. at a pipeline bubble), and every
+      operand that needs a gradient gets one (zeros where a branch ignores it), so the backward
+      issues the same collectives on every rank as long as the outputs are used the same way.
+    - A tensor that needs a gradient and is the same on every rank of the index's axes (replicated
+      over ``"pp"``) must be passed as an operand, not captured by a branch: its gradient is summed
+      over those axes (one all-reduce in the backward, on every rank). Captured, it raises
+      `TracingError` (on the ranks whose branch uses it). Per-rank values (`PerRank` leaves) and
+      tensors computed from them vary over the axes already and may be captured.
+    - Out-of-range indices raise `ArgumentError` on the ranks that have one (no clamping).
+
+    Args:
+        index: a 0-dim integer tensor (``fs.axis_index("pp")``, or computed from it) or an int.
+        branches: a sequence of callables, one per index value.
+        *operands: pytrees passed to the chosen branch.
+
+    Returns:
+        What the branch returned; tensors (and Python numbers) tagged as varying over the index's axes.
+
+    Raises:
+        ArgumentError: for an index that is not an integer scalar, or out of range on this rank.
+        TracingError: when a branch uses a captured tensor that needs a gradient and does not vary
+            over the index's axes.
+
+    Examples:
+        >>> stage = fs.axis_index("pp")
+        >>> h, loss = fs.switch(stage, [first_stage, middle_stage, last_stage], params, h_in)
+    """
+    tr = _vma.current("switch")
+    branches = list(branches) if not callable(branches) else None
+    if not branches or not all(callable(b) for b in branches):
+        raise ArgumentError(
+            "fs.switch: branches must be a non-empty sequence of callables, one per index value"
+        )
+    i, bits = _index_value(index, tr)
+    if not 0 <= i < len(branches):
+        axes = tr.mesh.names_of(bits)
+        along = f" (this rank's index along {', '.join(map(repr, axes))})" if axes else ""
+        raise ArgumentError(
+            f"fs.switch: index {i}{along} is out of range for {len(branches)} branches; give one branch per "
+            f"index value"
+        )
+    if not bits:  # the same branch on every rank
+        return branches[i](*operands)
+    flat, treedef = optree.tree_flatten(operands)
+    # What the outputs vary over, the same on every rank whichever branch it runs (as JAX joins the
+    # branches' types): the index's axes and every axis an operand varies over.
+    union = bits
+    for x in flat:
+        union |= _vma.get(x, tr) if isinstance(x, _Tensor) else _vma._scan(x, tr.id)
+    grad = torch.is_grad_enabled()
+    diff = [k for k, x in enumerate(flat) if isinstance(x, _Tensor) and x.requires_grad] if grad else []
+    token = None
+    if diff:
+        # An operand the same on every rank of the index's axes is cast to vary over them (pvary:
+        # its gradient is summed over them, once per call of f however many switches use it).
+        # Every cast happens on every rank, and _SwitchIn hands each operand a gradient on every
+        # rank, so the sums match up across ranks whichever branch used what.
+        masks = []
+        for k in diff:
+            v = _vma.get(flat[k], tr)
+            flat[k] = _vma.pvary(flat[k], tr, v, v | bits)
+            masks.append(v | bits)
+        got = _apply(_SwitchIn, *[flat[k] for k in diff])
+        for k, v, m in zip(diff, got[:-1], masks):
+            flat[k] = _vma.tag(v, tr, m)
+        token = got[-1]
+        operands = optree.tree_unflatten(treedef, flat)
+    with _BranchGuard(tr, bits, union, i):
+        out = branches[i](*operands)
+    leaves, otreedef = optree.tree_flatten(out)
+    others = union & ~bits
+    for k, x in enumerate(leaves):
+        if isinstance(x, _Tensor) and grad and x.requires_grad:
+            own = _vma.get(x, tr)
+            if others & ~own:
+                # truly the same on the ranks along those axes (they run the same branch): a cast
+                # whose gradient sums over them, issued by all of them alike
+                leaves[k] = _vma.pvary(x, tr, own, own | others)
+    if token is not None:
+        fl = [
+            k
+            for k, x in enumerate(leaves)
+            if isinstance(x, _Tensor) and (x.is_floating_point() or x.is_complex())
+        ]
+        if fl:
+            got = _apply(_SwitchOut, token, *[leaves[k] for k in fl])
+            for k, v in zip(fl, got):
+                leaves[k] = _vma.tag(v, tr, union)
+    return _tag_outputs(optree.tree_unflatten(otreedef, leaves), tr, union)
+
+
+def _index_value(index, tr) -> tuple[int, int]:
+    """The index as a Python int and its varying axes."""
+    if isinstance(index, _Tensor):
+        if (
+            index.numel() != 1
+            or index.dtype.is_floating_point
+            or index.is_complex()
+            or index.dtype == torch.bool
+        ):
+            raise ArgumentError(
+                f"fs.switch: index must be an integer scalar (fs.axis_index(...) or an int), got a tensor of "
+                f"shape {tuple(index.shape)} and dtype {index.dtype}"
+            )
+        bits = _vma.get(index, tr)
+        with untracked():
+            return int(index.item()), bits
+    if isinstance(index, int) and not isinstance(index, bool):
+        return int(index), _vma._scan(index, tr.id)
+    raise ArgumentError(
+        f"fs.switch: index must be an integer scalar (fs.axis_index(...) or an int), got {type(index).__name__}"
+    )
+
+
+def _tag_outputs(out, tr, bits: int):
+    """Every tensor (and Python number) of ``out`` tagged as varying over ``bits`` as well (tensors
+    that lack them are tagged through a view, so tensors shared with other code keep their tags)."""
+    if not bits:
+        return out
+
+    def one(x):
+        if isinstance(x, _Tensor):
+            have = _vma.get(x, tr)
+            if have & bits == bits:
+                return x
+            with untracked():
+                v = x.view_as(x)
+            return _vma.tag(v, tr, have | bits)
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            base = int(x) if isinstance(x, int) else float(x)
+            return _vma._varying_scalar(base, tr.id, bits | _vma._scan(x, tr.id))
+        return x
+
+    return optree.tree_map(one, out)
+
+
+class _SwitchIn(torch.autograd.Function):
+    """Identity on the differentiable operands, plus a token that links the outputs to them: in
+    the backward every operand gets a gradient (zeros where the branch ignored it)."""
+
+    @staticmethod
+    def forward(*xs):
+        with untracked():
+            return (*[x.view_as(x) for x in xs], torch.zeros((), dtype=xs[0].dtype, device=xs[0].device))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *cts):
+        return cts[:-1]
+
+
+class _SwitchOut(torch.autograd.Function):
+    """Identity on the branch's floating-point outputs, with the token as an extra input: the outputs
+    need a gradient on every rank, and the backward of any of them reaches every operand."""
+
+    @staticmethod
+    def forward(token, *ys):
+        with untracked():
+            return tuple(y.view_as(y) for y in ys)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.token = (inputs[0].shape, inputs[0].dtype, inputs[0].device)
+
+    @staticmethod
+    def backward(ctx, *cts):
+        shape, dtype, device = ctx.token
+        return (torch.zeros(shape, dtype=dtype, device=device), *cts)
+
+
+class _BranchGuard(TorchFunctionMode):
+    """Inside a branch, refuse tensors whose types would make the ranks disagree: one that varies
+    over an axis no operand varies over (the branches' results would vary over different axes on
+    different ranks), and a captured one that needs a gradient and does not vary over the index's
+    axes (its gradient would be summed over them only on the ranks whose branch used it)."""
+
+    def __init__(self, tr, bits: int, union: int, i: int):
+        super().__init__()
+        self.tr, self.bits, self.union, self.i = tr, bits, union, i
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with untracked():
+            for a in itertools.chain(args, kwargs.values()):
+                if isinstance(a, _Tensor):
+                    self._check(a)
+                elif type(a) in (list, tuple):
+                    for b in a:
+                        if isinstance(b, _Tensor):
+                            self._check(b)
+        return func(*args, **kwargs)
+
+    def _check(self, a) -> None:
+        v = _vma.get(a, self.tr)
+        head = f"fs.switch in fs.shard_map({self.tr.where}): branch {self.i} uses a tensor of shape {tuple(a.shape)}"
+        if v & ~self.union:
+            extra = ", ".join(map(repr, self.tr.mesh.names_of(v & ~self.union)))
+            raise TracingError(
+                f"{head} that varies over {extra}, which neither the index nor any operand varies over (a captured "
+                f"tensor, or the result of a collective): the results of every branch must vary over the same axes on "
+                f"every rank; pass it (or a tensor that varies over {extra}) to the branches as an operand"
+            )
+        if a.requires_grad and v & self.bits != self.bits and torch.is_grad_enabled():
+            ax = ", ".join(map(repr, self.tr.mesh.names_of(self.bits)))
+            raise TracingError(
+                f"{head} that needs a gradient and is the same on every rank of {ax} (captured by the branch, not "
+                f"passed as an operand); its gradient must be summed over {ax} on every rank, which only an operand "
+                f"gets: pass it to the branches as an operand, fs.switch(index, branches, ..., x)"
+            )
