@@ -52,7 +52,6 @@ from ._shard_map import shard_map
 from ._sharded import Sharded, from_dtensor, full, reduce_to, shard
 from ._spec import Spec, parse_spec
 from ._stages import PerRank, switch
-from ._stages import PerRank, switch
 from ._visualize import visualize
 
 __version__ = "0.1.0"
@@ -72,9 +71,6 @@ __all__ = [
     "reduce_to",
     "visualize",
     "debug",
-    # per-rank values (pipeline stages)
-    "PerRank",
-    "switch",
     # per-rank values (pipeline stages)
     "PerRank",
     "switch",
