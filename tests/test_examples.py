@@ -1,15 +1,25 @@
-"""Run the canonical examples in examples/ as a user would, through the launcher, at small sizes.
+"""Run the canonical examples in examples/ at small sizes, on real multi-rank worlds.
 
 Each example checks itself against a single-process plain-torch reference (values,
 gradients, training steps) and exits non-zero with a message if it disagrees, so a
-test here only asserts the exit code and the example's success line::
+test here only asserts that the example ran to the end and printed its success line.
+
+Cost control: the examples run inside the persistent rank pools of conftest.py, each rank
+calling the script's ``main()`` with its command-line flags in ``sys.argv`` (what running the
+script does, minus the interpreter start and ``import torch`` per rank). One example also runs
+exactly as a user runs it, through the launcher in fresh processes::
 
     python -m fshard.run -n 4 examples/NAME.py [small flags]   # from the repository root
+
+and every example is checked to call its ``main()`` when run as a script.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -17,12 +27,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 # (example, ranks, flags). Every example runs on 4 ranks; a few also on a smaller world.
 CASES = [
-    ("matmul_psum", 4, []),
     ("matmul_reduce_scatter", 4, []),
     ("data_parallel", 4, ["--steps", "2"]),
     ("fsdp", 4, ["--steps", "2"]),
@@ -39,20 +50,73 @@ CASES = [
     ("dp_tp", 2, ["--dp", "1", "--steps", "2"]),  # tp only, on 2 ranks
     ("data_parallel", 1, ["--steps", "2"]),  # a 1-rank world: no collectives at all
 ]
+# Run through `python -m fshard.run` in fresh processes, as the example's docstring says.
+LAUNCHED = ("matmul_psum", 4, [])
+ALL_CASES = [LAUNCHED, *CASES]
 
 
-def _run(name: str, nprocs: int, flags: list[str]) -> subprocess.CompletedProcess:
+# --- in the rank pools ------------------------------------------------------------------------------
+
+
+def _run_example(name: str, flags: list[str]) -> str:
+    """Rank function: run ``examples/NAME.py FLAGS`` in this rank; return what it printed.
+
+    The script is loaded as a fresh module and its ``main()`` called with ``sys.argv`` set as the
+    command line would set it. ``fs.init()`` finds the pool's process group and keeps it. A
+    non-zero ``sys.exit`` (an example's way of reporting a mismatch) is raised as an error, so that
+    the pool reports it at once with the script's output instead of the other ranks waiting for
+    this one in a collective. The global RNG is restored afterwards (an example may seed it).
+    """
+    import torch
+
+    path = EXAMPLES / f"{name}.py"
+    module_name = f"_fshard_example_{name}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv = sys.argv
+    sys.modules[module_name] = module  # as for a script's __main__: pickling, dataclasses
+    code: object = 0
+    try:
+        spec.loader.exec_module(module)
+        sys.argv = [str(path), *flags]
+        with (
+            torch.random.fork_rng(devices=[]),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            module.main()
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv = saved_argv
+        sys.modules.pop(module_name, None)
+    if code not in (None, 0):
+        raise RuntimeError(
+            f"examples/{name}.py {' '.join(flags)} exited with {code!r}\n"
+            f"--- stdout ---\n{out.getvalue()}--- stderr ---\n{err.getvalue()}"
+        )
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("name", "nprocs", "flags"), CASES, ids=[f"{c[0]}-n{c[1]}" for c in CASES])
+def test_example_matches_its_reference(name, nprocs, flags):
+    outputs = run_ranks(nprocs, _run_example, name, flags)
+    assert f"{name}: OK" in outputs[0], f"examples/{name}.py printed no success line on rank 0:\n{outputs[0]}"
+
+
+# --- as a user runs them ----------------------------------------------------------------------------
+
+
+def test_example_run_by_the_launcher_matches_its_reference():
+    name, nprocs, flags = LAUNCHED
     env = dict(os.environ)
     # The ranks run examples/NAME.py, whose own directory is first on sys.path: make the
     # repository's fshard importable there even when it is not installed.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "fshard.run", "-n", str(nprocs), f"examples/{name}.py", *flags]
-    return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
-
-
-@pytest.mark.parametrize(("name", "nprocs", "flags"), CASES, ids=[f"{c[0]}-n{c[1]}" for c in CASES])
-def test_example_matches_its_reference(name, nprocs, flags):
-    proc = _run(name, nprocs, flags)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     output = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, (
         f"examples/{name}.py on {nprocs} ranks exited with {proc.returncode}\n{output}"
@@ -60,11 +124,27 @@ def test_example_matches_its_reference(name, nprocs, flags):
     assert f"{name}: OK" in proc.stdout, f"examples/{name}.py printed no success line\n{output}"
 
 
-def test_examples_state_their_commands():
-    for name in sorted({c[0] for c in CASES}):
-        doc = ast.get_docstring(ast.parse((EXAMPLES / f"{name}.py").read_text())) or ""
+def _calls_main_as_script(tree: ast.Module) -> bool:
+    """Whether the module ends with ``if __name__ == "__main__": main()``."""
+    last = tree.body[-1] if tree.body else None
+    return (
+        isinstance(last, ast.If)
+        and ast.unparse(last.test).replace("'", '"') == '__name__ == "__main__"'
+        and len(last.body) == 1
+        and ast.unparse(last.body[0]) == "main()"
+    )
+
+
+def test_examples_state_their_commands_and_run_main_as_scripts():
+    for name in sorted({c[0] for c in ALL_CASES}):
+        tree = ast.parse((EXAMPLES / f"{name}.py").read_text())
+        doc = ast.get_docstring(tree) or ""
         for command in (
             f"python -m fshard.run -n 4 examples/{name}.py",
             f"torchrun --nproc-per-node 4 examples/{name}.py",
         ):
             assert command in doc, f"examples/{name}.py: its docstring must state the command {command!r}"
+        # The pool tests call main(): running the script must do the same and nothing more.
+        assert _calls_main_as_script(tree), (
+            f'examples/{name}.py must end with `if __name__ == "__main__": main()`'
+        )
