@@ -14,6 +14,8 @@ ready last layer first (``p5, p4, ..., p0``), and a bucket takes them while they
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -73,17 +75,20 @@ def _data(seed: int, rows: int = 16):
 # ready order, launch during the backward, equal to one process and to the per-parameter path
 
 
-def _rank_ready_order(X, bucket_mb):
+def _rank_ready_order(X, sizes):
     mesh = fs.Mesh(dp=dist.get_world_size())
-    params = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
-    log: list[int] = []
-    counter: list = [None]
-    f = lambda p, x: _mlp_logged(p, x, log, counter)  # noqa: E731
-    step = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) d"), out_specs="", bucket_mb=bucket_mb)
-    loss = step(params, X)
-    with fs.count_collectives() as counter[0]:
-        loss.backward()
-    return loss.detach(), {k: p.grad for k, p in params.items()}, counter[0].records, log
+    out = []
+    for bucket_mb in sizes:
+        params = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
+        log: list[int] = []
+        counter: list = [None]
+        f = functools.partial(_mlp_logged, log=log, counter=counter)
+        step = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) d"), out_specs="", bucket_mb=bucket_mb)
+        loss = step(params, X)
+        with fs.count_collectives() as counter[0]:
+            loss.backward()
+        out.append((loss.detach(), {k: p.grad for k, p in params.items()}, counter[0].records, log))
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -91,8 +96,8 @@ def test_buckets_in_ready_order_launched_during_the_backward(world):
     X = _data(1)
     ref_loss, ref = _reference([X])
     sizes = [torch.Size(SIZES[i]).numel() * 8 for i in READY]
-    small, per_param, one = (run_ranks(world, _rank_ready_order, X, mb) for mb in (LIMIT / 2**20, 0, 25.0))
-    for (l0, g0, r0, log0), (l1, g1, r1, log1), (l2, g2, r2, log2) in zip(small, per_param, one):
+    for small, per_param, one in run_ranks(world, _rank_ready_order, X, (LIMIT / 2**20, 0, 25.0)):
+        (l0, g0, r0, log0), (l1, g1, r1, log1), (l2, g2, r2, log2) = small, per_param, one
         for loss, grads in ((l0, g0), (l1, g1), (l2, g2)):
             torch.testing.assert_close(loss, ref_loss)
             for k in ref:
@@ -219,21 +224,26 @@ def _rank_create_graph(X, bucket_mb):
     return [g.detach() for g in grads], hvp
 
 
+def _rank_vg_and_create_graph(X, bucket_mb):
+    return _rank_value_and_grad(X, bucket_mb), _rank_create_graph(X, bucket_mb)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_value_and_grad_inside_and_create_graph(world):
     X = _data(3)
     ref_loss, ref = _reference([X], wd=0.01)
-    for loss, grads, records in run_ranks(world, _rank_value_and_grad, X, LIMIT / 2**20):
+    p = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
+    data, reg = _mlp(p, X, 0.01)
+    g_ref = torch.autograd.grad(data + reg, list(p.values()), create_graph=True)
+    hvp_ref = torch.autograd.grad(sum(g.sum() for g in g_ref), list(p.values()))
+    for vg, cg in run_ranks(world, _rank_vg_and_create_graph, X, LIMIT / 2**20):
+        loss, grads, records = vg
         torch.testing.assert_close(loss, ref_loss)
         for k in ref:
             torch.testing.assert_close(grads[k], ref[k], msg=k)
         # the loss's pmean (one scalar, in the forward), then value_and_grad's buckets
         assert records == [("all_reduce", ("dp",), 8), *_expected()]
-    p = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
-    data, reg = _mlp(p, X, 0.01)
-    g_ref = torch.autograd.grad(data + reg, list(p.values()), create_graph=True)
-    hvp_ref = torch.autograd.grad(sum(g.sum() for g in g_ref), list(p.values()))
-    for grads, hvp in run_ranks(world, _rank_create_graph, X, LIMIT / 2**20):
+        grads, hvp = cg
         for a, b in zip(grads, g_ref):
             torch.testing.assert_close(a, b.detach())
         for a, b in zip(hvp, hvp_ref):
