@@ -456,7 +456,7 @@ def switch(index, branches, *operands):
         axes = tr.mesh.names_of(bits)
         along = f" (this rank's index along {', '.join(map(repr, axes))})" if axes else ""
         raise ArgumentError(
-            f"fs.switch: index {i}{along} is out of range for {len(branches)} branches; give one branch per "
+            f"fs.switch: index {i}{along} is out of range for {len(branches)} branch{'es' if len(branches) != 1 else ''}; give one branch per "
             f"index value"
         )
     if not bits:  # the same branch on every rank
