@@ -5,6 +5,16 @@ all of it (forward and backward). These functions know nothing of autograd or of
 varying-axes tracking; ``_collectives.py`` builds the differentiable primitives on them.
 All of them run with torch-function handling disabled so that shard_map's tracking mode
 does not see their internal tensor ops.
+
+The collectives that torch has as functional ops (``torch.ops._c10d_functional``: all-reduce,
+all-gather, reduce-scatter, all-to-all, broadcast) are issued through them: the op launches the
+collective and returns its output, ``wait_tensor`` waits for it. Those ops are asynchronous and
+``torch.compile`` traces them into its graph. Their own autograd is never used (the
+differentiable primitives in ``_primitives.py`` own the transposes): in eager they are
+dispatched below autograd (which also skips the Python autograd kernels torch registers for
+them, about 30 us a call), while compiling under ``no_grad``. Point-to-point (`permute`),
+results on one rank (`gather_blocks`, `reduce_`), `scatter` and `broadcast_object` use
+``torch.distributed`` directly.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401  (the ops' fake kernels, for tracing)
 
 from ._mesh import AxisGroup
 
@@ -87,6 +98,7 @@ def _record(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
 
 
 _profiling = torch.autograd._profiler_enabled
+_compiling = torch.compiler.is_compiling
 _NO_SPAN = contextlib.nullcontext()
 
 
@@ -104,7 +116,7 @@ def _span(kind: str, names: tuple[str, ...], nbytes: int):
 def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
     """Record one collective of ``t`` over ``g`` and return its profiler range (see `_span`)."""
     _record(kind, g, t)
-    if not _profiling():
+    if _compiling() or not _profiling():  # a compiled graph shows the functional ops themselves
         return _NO_SPAN
     label = f"fshard.{kind}[{','.join(g.names)}] {t.numel() * t.element_size()}B"
     return torch.profiler.record_function(label)
@@ -113,9 +125,49 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
 untracked = torch._C.DisableTorchFunction
 """``with untracked():`` runs tensor ops unseen by shard_map's varying-axes tracking mode
 (the one spelling of "disable torch function" in fshard)."""
-# torch 2.13 renamed the flat-buffer collectives; keep the older names for older releases.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_F = torch.ops._c10d_functional
+_ALL_REDUCE = _F.all_reduce.default
+_ALL_REDUCE_ = _F.all_reduce_.default
+_ALL_GATHER = _F.all_gather_into_tensor.default
+_REDUCE_SCATTER = _F.reduce_scatter_tensor.default
+_ALL_TO_ALL = _F.all_to_all_single.default
+_BROADCAST = _F.broadcast.default
+_WAIT = _F.wait_tensor.default
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_OP_NAMES = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.PRODUCT: "product",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.BAND: "band",
+    dist.ReduceOp.BOR: "bor",
+    dist.ReduceOp.BXOR: "bxor",
+}
+
+
+def _launch(op, *args) -> torch.Tensor:
+    """Issue the functional collective ``op(*args)`` outside autograd; returns its output, which
+    must go through `_wait` before it is read."""
+    if _compiling():
+        with torch.no_grad():
+            return op(*args)
+    with _below_autograd():
+        return op(*args)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    """``wait_tensor``: the output of a functional collective, once the collective is done."""
+    if _compiling():
+        with torch.no_grad():
+            return _WAIT(t)
+    with _below_autograd():
+        return _WAIT(t)
+
+
+def _name(g: AxisGroup) -> str:
+    """The name of the group's ProcessGroup, by which the functional ops find it."""
+    return g.group.group_name  # type: ignore[attr-defined]
 
 
 def _to_blocks_order(t: torch.Tensor, g: AxisGroup, inverse: bool) -> torch.Tensor:
@@ -136,11 +188,11 @@ def _to_blocks_order(t: torch.Tensor, g: AxisGroup, inverse: bool) -> torch.Tens
 def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Out-of-place all-reduce of ``t`` over the group."""
     with untracked():
-        out = t.clone(memory_format=torch.contiguous_format)
-        if g.size > 1:
-            with _issue("all_reduce", g, out):
-                dist.all_reduce(out, op=op, group=g.group)
-        return out
+        if g.size == 1:
+            return t.clone(memory_format=torch.contiguous_format)
+        t = t.contiguous()
+        with _issue("all_reduce", g, t):  # the range covers the wait, as for any blocking call
+            return _wait(_launch(_ALL_REDUCE, t, _OP_NAMES[op], _name(g)))
 
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -159,9 +211,9 @@ def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         if g.size == 1:
             return t.clone()
         t = _to_blocks_order(t, g, inverse=False).contiguous()
-        out = torch.empty_like(t)
+        splits = [1] * g.size
         with _issue("all_to_all", g, t):
-            dist.all_to_all_single(out, t, group=g.group)
+            out = _wait(_launch(_ALL_TO_ALL, t, splits, splits, _name(g)))
         return _to_blocks_order(out, g, inverse=True)
 
 
@@ -231,15 +283,14 @@ def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:
         if g.size == 1:
             blocks = t.unsqueeze(0)
             return Handle((), lambda: blocks)
-        out = torch.empty(g.size * t.numel(), dtype=t.dtype, device=t.device)
-        with _issue("all_gather", g, t), torch.no_grad():
-            work = _all_gather_flat(out, t.reshape(-1), group=g.group, async_op=True)
+        with _issue("all_gather", g, t):
+            out = _launch(_ALL_GATHER, t.reshape(-1), g.size, _name(g))
 
         def finish():
             with untracked():
-                return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
+                return _to_blocks_order(_wait(out).view(g.size, *t.shape), g, inverse=True)
 
-        return Handle([work], finish)
+        return Handle((), finish)
 
 
 def reduce_scatter_start(t: torch.Tensor, g: AxisGroup) -> Handle:
@@ -249,26 +300,26 @@ def reduce_scatter_start(t: torch.Tensor, g: AxisGroup) -> Handle:
             block = t[0].clone()
             return Handle((), lambda: block)
         t = _to_blocks_order(t, g, inverse=False).contiguous()
-        out = torch.empty(t[0].numel(), dtype=t.dtype, device=t.device)
-        with _issue("reduce_scatter", g, t), torch.no_grad():
-            work = _reduce_scatter_flat(out, t.reshape(-1), group=g.group, async_op=True)
+        with _issue("reduce_scatter", g, t):
+            out = _launch(_REDUCE_SCATTER, t.reshape(-1), "sum", g.size, _name(g))
         shape = t.shape[1:]
 
         def finish():
             with untracked():
-                return out.view(shape)
+                return _wait(out).view(shape)
 
-        return Handle([work], finish)
+        return Handle((), finish)
 
 
 def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
     """Every index along the axes receives index ``src``'s ``t``."""
     with untracked():
-        out = t.clone(memory_format=torch.contiguous_format)
-        if g.size > 1:
-            with _issue("broadcast", g, out):
-                dist.broadcast(out, src=g.global_ranks[src], group=g.group)  # type: ignore[arg-type]
-        return out
+        if g.size == 1:
+            return t.clone(memory_format=torch.contiguous_format)
+        t = t.contiguous()
+        root = src if g.order is None else g.order[src]  # the functional op takes the group rank
+        with _issue("broadcast", g, t):
+            return _wait(_launch(_BROADCAST, t, root, _name(g)))
 
 
 def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
@@ -276,7 +327,12 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
     with untracked():
         if g.size > 1:
             with _issue("all_reduce", g, t):
-                dist.all_reduce(t, op=op, group=g.group)
+                if _compiling():  # the traceable form of an in-place collective
+                    with torch.no_grad():
+                        t.copy_(_WAIT(_ALL_REDUCE(t, _OP_NAMES[op], _name(g))))
+                    return
+                with _below_autograd():
+                    _WAIT(_ALL_REDUCE_(t, _OP_NAMES[op], _name(g)))
 
 
 def gather_blocks(t: torch.Tensor, g: AxisGroup, dst: int) -> torch.Tensor | None:
