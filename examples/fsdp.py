@@ -1,14 +1,16 @@
-"""Fully sharded data parallel (FSDP / ZeRO-3) training of an MLP, with AdamW.
+"""Fully sharded data parallel (FSDP / ZeRO-3) training of a residual MLP, with AdamW.
 
 Every parameter is split along its first dim over the "dp" axis ("(dp d) h"), and so
 are its gradient and both AdamW moments: each rank stores 1/dp of the model and of
-the optimizer state. The batch is split over dp too. Inside the loss each rank
-all-gathers the parameters it needs, the whole tree in one coalesced collective
-(``fs.all_gather(params, "dp", tiled=True)``); the transpose of that all-gather is one
-reduce-scatter, so the backward hands each rank
-the summed gradient of exactly its own parameter slice, with no hand-written
-communication. ``fs.optim.adamw`` then updates the local slices with no
-communication either.
+the optimizer state. The batch is split over dp too. Inside the loss the hidden blocks
+run through ``fs.fsdp_scan``: one block's parameters are all-gathered at a time (the
+next block's gather already in flight while a block computes), freed after the
+block's forward and gathered again in the backward, so a rank never holds more than
+about two gathered blocks. The input and output layers are gathered once, in one
+coalesced all-gather (``fs.all_gather(tree, "dp", tiled=True)``). The transpose of
+each all-gather is one reduce-scatter, so the backward hands each rank the summed
+gradient of exactly its own parameter slices, with no hand-written communication.
+``fs.optim.adamw`` then updates the local slices with no communication either.
 
 Run from the repository root (with fshard installed: ``pip install -e .``)::
 
@@ -17,13 +19,16 @@ Run from the repository root (with fshard installed: ``pip install -e .``)::
 
 The script trains a few steps and checks every loss and the final parameters against
 plain single-process torch (torch.optim.AdamW on the global batch), and the
-collectives of a step (one all-gather and one reduce-scatter per parameter, one
-all-reduce for the loss); it exits non-zero if anything disagrees.
+collectives of a step (one all-gather of the input and output layers and one per block
+in the forward, one per block again in the backward, one reduce-scatter per
+all-gather of the forward, one all-reduce for the loss); it exits non-zero if anything
+disagrees.
 """
 
 import argparse
 import sys
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,23 +47,42 @@ def check(name, got, want, tol=1e-4):
 
 
 # Each parameter's first dim is split over dp; the labels name the model's dims.
-PARAM_SPECS = {"w1": "(dp d) h", "b1": "(dp h)", "w2": "(dp h) c", "b2": "(dp c)"}
+BLOCK_SPECS = {"w": "(dp h) k", "b": "(dp k)"}
 
 
-def init_params(seed, d, hidden, classes):
-    gen = torch.Generator().manual_seed(seed)
+def param_specs(layers):
     return {
-        "w1": torch.randn(d, hidden, generator=gen) / d**0.5,
-        "b1": torch.zeros(hidden),
-        "w2": torch.randn(hidden, classes, generator=gen) / hidden**0.5,
-        "b2": torch.zeros(classes),
+        "w_in": "(dp d) h",
+        "blocks": [dict(BLOCK_SPECS) for _ in range(layers)],
+        "w_out": "(dp h) c",
+        "b_out": "(dp c)",
     }
 
 
+def init_params(seed, d, hidden, classes, layers):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w_in": torch.randn(d, hidden, generator=gen) / d**0.5,
+        "blocks": [
+            {"w": torch.randn(hidden, hidden, generator=gen) / hidden**0.5, "b": torch.zeros(hidden)}
+            for _ in range(layers)
+        ],
+        "w_out": torch.randn(hidden, classes, generator=gen) / hidden**0.5,
+        "b_out": torch.zeros(classes),
+    }
+
+
+def block(p, h):
+    """One residual block (plain torch): ``p`` holds the block's full parameters."""
+    return h + F.gelu(h @ p["w"] + p["b"])
+
+
 def mlp_loss(params, x, labels):
-    """Plain torch: mean cross-entropy of a two-layer MLP on the batch it is given."""
-    h = F.gelu(x @ params["w1"] + params["b1"])
-    return F.cross_entropy(h @ params["w2"] + params["b2"], labels)
+    """Plain torch: mean cross-entropy of the MLP on the batch it is given."""
+    h = F.gelu(x @ params["w_in"])
+    for p in params["blocks"]:
+        h = block(p, h)
+    return F.cross_entropy(h @ params["w_out"] + params["b_out"], labels)
 
 
 def main():
@@ -67,6 +91,7 @@ def main():
     parser.add_argument("--d", type=int, default=16, help="all sizes divisible by the world size")
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--classes", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=3, help="hidden residual blocks")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
@@ -75,22 +100,35 @@ def main():
     fs.init()
     mesh = fs.Mesh(dp=dist.get_world_size())
 
-    @fs.shard_map(mesh=mesh, in_specs=(PARAM_SPECS, "(dp b) d", "(dp b)"), out_specs="")
-    def loss_fn(params, x, labels):  # runs on local blocks
-        full = fs.all_gather(params, "dp", dim=0, tiled=True)  # one all-gather for the whole tree
-        return fs.pmean(mlp_loss(full, x, labels), "dp")
+    specs = param_specs(args.layers)
 
-    global_params = init_params(args.seed, args.d, args.hidden, args.classes)
-    params = {k: fs.shard(v, mesh, PARAM_SPECS[k]) for k, v in global_params.items()}
+    @fs.shard_map(mesh=mesh, in_specs=(specs, "(dp b) d", "(dp b)"), out_specs="")
+    def loss_fn(params, x, labels):  # runs on local blocks
+        # the input and output layers: one coalesced all-gather, kept until the backward
+        io = fs.all_gather({k: v for k, v in params.items() if k != "blocks"}, "dp", dim=0, tiled=True)
+        h = F.gelu(x @ io["w_in"])
+        # the blocks: gathered one at a time, prefetched, freed after use
+        h = fs.fsdp_scan(block, params["blocks"], h, "dp", dims=specs["blocks"])
+        local = F.cross_entropy(h @ io["w_out"] + io["b_out"], labels)
+        return fs.pmean(local, "dp")
+
+    global_params = init_params(args.seed, args.d, args.hidden, args.classes, args.layers)
+    params = fs.shard(global_params, mesh, specs)
     opt = fs.optim.adamw(args.lr)
     opt_state = opt.init(params)  # moments are Sharded like their parameters
 
     # Single-process reference: the same model and optimizer on the global batches.
-    ref = {k: v.clone().requires_grad_() for k, v in global_params.items()}
-    ref_opt = torch.optim.AdamW(list(ref.values()), lr=args.lr)
+    ref = optree.tree_map(lambda v: v.clone().requires_grad_(), global_params)
+    ref_opt = torch.optim.AdamW(optree.tree_leaves(ref), lr=args.lr)
 
-    # one coalesced all-gather of the parameters, one reduce-scatter of their gradients, the loss
-    expected = {("all_gather", ("dp",)): 1, ("reduce_scatter", ("dp",)): 1, ("all_reduce", ("dp",)): 1}
+    # all-gathers: the input/output layers and each block, each block again in the backward;
+    # one reduce-scatter per all-gather of the forward; the loss
+    n = args.layers
+    expected = {
+        ("all_gather", ("dp",)): 1 + 2 * n,
+        ("reduce_scatter", ("dp",)): 1 + n,
+        ("all_reduce", ("dp",)): 1,
+    }
     data = torch.Generator().manual_seed(args.seed + 1)
     for i in range(args.steps):
         x = torch.randn(args.batch, args.d, generator=data)  # the global batch, the same on every rank
@@ -107,13 +145,16 @@ def main():
             sys.exit(f"rank {dist.get_rank()}: expected collectives {expected} per step, got {counts}")
         if dist.get_rank() == 0:
             print(f"step {i}: loss {loss.item():.4f}  collectives {counts}")
-    for k in params:
-        check(f"{k} after {args.steps} steps", params[k].full(), ref[k].detach())
-        check(f"AdamW moment m[{k}]", opt_state["m"][k].full(), ref_opt.state[ref[k]]["exp_avg"])
+    paths, leaves, _ = optree.tree_flatten_with_path(params)
+    moments = optree.tree_leaves(opt_state["m"])
+    for path, p, m, r in zip(paths, leaves, moments, optree.tree_leaves(ref)):
+        name = ".".join(map(str, path))
+        check(f"{name} after {args.steps} steps", p.full(), r.detach())
+        check(f"AdamW moment m[{name}]", m.full(), ref_opt.state[r]["exp_avg"])
 
     if dist.get_rank() == 0:
-        w1 = params["w1"]
-        print(f"w1: global {tuple(w1.shape)}, stored per rank {tuple(w1.local.shape)} ({w1.spec!r})")
+        w = params["blocks"][0]["w"]
+        print(f"blocks[0].w: global {tuple(w.shape)}, stored per rank {tuple(w.local.shape)} ({w.spec!r})")
         print(
             f"fsdp: OK (dp={mesh.size}) losses, parameters and AdamW state match the single-process reference"
         )
