@@ -36,7 +36,9 @@ gpt_dp, gpt_fsdp, gpt_dp_tp, gpt_fsdp_tp (model, batch; no optimizer when timing
     The demo's GPT (``benchmarks/gpt.py``): ``gpt_fshard`` runs ``fshard_demo.model.loss_fn`` under
     ``fs.shard_map`` with the layout's ``param_specs`` and calls ``loss.backward()`` (default ``bucket_mb``);
     ``gpt_fshard_nobucket`` the same with ``bucket_mb=0``; ``gpt_fshard_vg`` the demo's own step
-    (``fs.value_and_grad`` inside ``fs.shard_map``). Minimum: see ``gpt.min_comm``.
+    (``fs.value_and_grad`` inside ``fs.shard_map``). In the FSDP layouts the demo runs its blocks through
+    ``fs.fsdp_scan`` (one block gathered at a time, the next one's gather in flight, freed after use and
+    gathered again in the backward), as FSDP2 per block does. Minimum: see ``gpt.min_comm``.
 shard_map_overhead (n_inputs, rows, cols)
     ``common.trivial_fn`` (x -> 2x for each input) through shard_map over ``n_inputs`` inputs
     ``ctx.data["in/<i>"]`` sharded along dim 0; ``step()`` returns the outputs. Measures the per-call
