@@ -75,7 +75,7 @@ def fsdp_scan(
     if not items:
         return h
     per_layer = _resolve_dims(dims, layers, items, stacked, g, tr.mesh.axis_names)
-    if g.size == 1:  # nothing to gather
+    if g.size == 1 or all(d is None for ds in per_layer for d in ds):  # nothing to gather
         for layer in items:
             h = layer_fn(layer(), h)
         return h
@@ -276,11 +276,12 @@ class _Layer:
         del full
         if not torch.is_grad_enabled():
             return layer_fn(tree, h)
-        ptrs: dict = {}
-        for k, y in enumerate(gathered):
-            st = y.untyped_storage()
-            if st.nbytes():
-                ptrs.setdefault(st.data_ptr(), (k, y.storage_offset(), y.dtype))
+        ptrs: dict = {}  # storage of a gathered leaf -> (its index, offset, dtype)
+        with untracked():
+            for k, y in enumerate(gathered):
+                st = y.untyped_storage()
+                if st.nbytes():
+                    ptrs.setdefault(st.data_ptr(), (k, y.storage_offset(), y.dtype))
         del gathered
 
         def pack(t):
