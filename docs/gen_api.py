@@ -57,7 +57,14 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "Pending",
         ],
     ),
-    ("Autodiff", "", ["value_and_grad", "grad", "no_sync", "remat"]),
+    (
+        "Pipeline stages: per-rank values",
+        "Values that differ from one rank to the next along an axis (each pipeline stage's own\n"
+        "parameters, of its own shapes), and running this rank's branch. The\n"
+        "[collectives page](tutorial/03-collectives.md#pipeline-stages-of-different-shapes) has a worked pipeline.",
+        ["PerRank", "switch"],
+    ),
+    ("Autodiff", "", ["value_and_grad", "grad", "no_sync", "remat", "fsdp_scan"]),
     ("Modules", "", ["sync_buffers", "check_buffers"]),
     ("Counting collectives", "", ["count_collectives", "CollectiveCounts"]),
     ("Launching", "", ["init", "launch", "RankPool"]),
