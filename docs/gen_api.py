@@ -118,7 +118,7 @@ MEMBERS: dict[str, tuple[list[str], list[str]]] = {
             "block",
             "spec_text",
         ],
-        ["same_placement", "block_index"],
+        ["same_placement", "block_index", "is_even", "block_sizes"],
     ),
     "Sharded": (
         [
