@@ -471,18 +471,16 @@ def switch(index, branches, *operands):
     diff = [k for k, x in enumerate(flat) if isinstance(x, _Tensor) and x.requires_grad] if grad else []
     token = None
     if diff:
-        # An operand the same on every rank of the index's axes is cast to vary over them (pvary:
-        # its gradient is summed over them, once per call of f however many switches use it).
-        # Every cast happens on every rank, and _SwitchIn hands each operand a gradient on every
-        # rank, so the sums match up across ranks whichever branch used what.
-        masks = []
+        # Each differentiable operand is cast to vary over every axis of the join (pvary: its
+        # gradient is summed over the axes it lacked; an input's sum goes in the call's gradient
+        # buckets, once per call however many switches and microbatches use it). Every cast
+        # happens on every rank, and _SwitchIn hands each operand a gradient on every rank, so the
+        # sums match up across ranks whichever branch used what.
         for k in diff:
-            v = _vma.get(flat[k], tr)
-            flat[k] = _vma.pvary(flat[k], tr, v, v | bits)
-            masks.append(v | bits)
+            flat[k] = _vma.pvary(flat[k], tr, _vma.get(flat[k], tr), union)
         got = _apply(_SwitchIn, *[flat[k] for k in diff])
-        for k, v, m in zip(diff, got[:-1], masks):
-            flat[k] = _vma.tag(v, tr, m)
+        for k, v in zip(diff, got[:-1]):
+            flat[k] = _vma.tag(v, tr, union)
         token = got[-1]
         operands = optree.tree_unflatten(treedef, flat)
     with _BranchGuard(tr, bits, union, i):

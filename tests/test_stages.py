@@ -112,6 +112,10 @@ def pipeline(p, tokens, targets, *tied):
     return fs.psum(total, "pp")
 
 
+def n_stages(mesh):
+    return mesh.axis_size("pp")
+
+
 def _data(dp):
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (M, MB * dp), generator=g)
@@ -155,11 +159,19 @@ def _rank_gradients(shape, tied_on):
         close(errs, f"stage {s} gradient {k}", a, b, DT)
     if tied_on:
         close(errs, "tied gradient", gtied, want_tied, DT)
-    # no gradient reduction over pp: pp collectives are the ppermutes, the loss psum, the tied psum
-    by = counts.by_kind()
-    pp_reduces = by.get(("all_reduce", ("pp",)), 0)
-    if pp_reduces != 1 + (1 if tied_on else 0):
-        errs.append(f"all-reduces over pp: {pp_reduces} ({counts})")
+    # Nothing reduces the stages' gradients over pp: over pp go the ppermutes (forward and back),
+    # the loss psum and the tied operand's gradient; over dp the loss psum and one bucket of the
+    # stage's gradients; the tied gradient is summed over dp and pp at once.
+    dp_on = "dp" in shape
+    want_counts = {("ppermute", ("pp",)): 2 * (M + n_stages(mesh) - 2), ("all_reduce", ("pp",)): 1}
+    if tied_on and not dp_on:
+        want_counts[("all_reduce", ("pp",))] += 1
+    if dp_on:
+        want_counts[("all_reduce", ("dp",))] = 2
+    if tied_on and dp_on:
+        want_counts[("all_reduce", ("dp", "pp"))] = 1
+    if dict(counts.by_kind()) != want_counts:
+        errs.append(f"collectives {dict(counts.by_kind())}, want {want_counts}")
     return errs
 
 
