@@ -70,12 +70,14 @@ __all__ = [
 
 _FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 _functorch_active = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling
 
 
 def apply(cls, *args):
     """``cls.apply(*args)`` without the ``inspect.signature`` call that ``Function.apply`` makes
-    for setup_context-style Functions (about 13 us each); the full path under torch.func."""
-    if _functorch_active():
+    for setup_context-style Functions (about 13 us each); the full path under torch.func and
+    while torch.compile traces (Dynamo traces ``Function.apply``, not the fast path)."""
+    if _functorch_active() or _compiling():
         return cls.apply(*args)
     return _FUNCTION_APPLY.__get__(None, cls)(*args)
 
@@ -98,7 +100,7 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     modified in place ("Output 0 of ... is a view"); the buffer is private, so the output may
     own its storage instead.
     """
-    if t._base is None:
+    if t._base is None or _compiling():  # traced code has no views to worry about
         return t
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 

@@ -246,7 +246,9 @@ class _ShardMapped:
             local = _buckets.wrap(
                 local, masks, tr, self._all_bits, tr.bucket_mb, self._compute_dtype, self._reduce_dtype
             )
-        local_args = optree.tree_unflatten(self._per_rank.get(treedef, treedef) if self._per_rank else treedef, local)
+        local_args = optree.tree_unflatten(
+            self._per_rank.get(treedef, treedef) if self._per_rank else treedef, local
+        )
         with tr:
             out = self.f(*local_args)
         if versions:
@@ -257,7 +259,9 @@ class _ShardMapped:
             *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves],
         )
         if _debug.enabled:
-            _stages.debug_check_outputs(self.name, mesh, out, out_leaves, okey)  # _debug.check_outputs + PerRank
+            _stages.debug_check_outputs(
+                self.name, mesh, out, out_leaves, okey
+            )  # _debug.check_outputs + PerRank
         oplans = self._out_plans.get(okey)
         if oplans is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)
@@ -388,7 +392,9 @@ class _ShardMapped:
                 continue
             scatter = []
             for d, sc in layout.scatter_dims:  # the local dim is cut as torch.chunk cuts it
-                scatter.append((d, mesh.axis_group(sc), _tiling(layout.block_sizes(d, shape[d], mesh.shape, sc))))
+                scatter.append(
+                    (d, mesh.axis_group(sc), _tiling(layout.block_sizes(d, shape[d], mesh.shape, sc)))
+                )
             reduce = mesh.axis_group(layout.reduce_axes) if layout.reduce_axes else None
             allowed = mesh.bits(layout.split_axes + layout.partial)
             kind = OutKind.SHARDED if layout.is_split else OutKind.PLAIN
@@ -541,7 +547,7 @@ def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict) -> None:
             continue
         layout, local = p.layout, x.local
         cut = {d: (t, g.size) for d, g, t in p.scatter if len(layout.dims[d]) == len(g.names)}
-        shape: list[int] | None = []
+        shape: list[int] = []
         for d, axes in enumerate(layout.dims):
             lab = layout.labels[d]
             if not axes:
@@ -551,10 +557,9 @@ def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict) -> None:
                 shape.append(sum(t) if type(t) is tuple else local.shape[d] * n)
             elif lab is not None and lab != ANONYMOUS and lab in label_sizes:
                 shape.append(label_sizes[lab])
-            else:
-                shape = None
+            else:  # a size no rank knows alone: gather the block shapes
                 break
-        if shape is None:
+        if len(shape) != len(layout.dims):
             x._shape = _global_shape_of_blocks(local, mesh, layout)
             continue
         want = layout.local_shape(shape, mesh.shape, mesh.coordinate)

@@ -1,7 +1,8 @@
 """Sharded checkpoints of pytrees, resharded on load, through ``torch.distributed.checkpoint``.
 
 `save` writes a pytree of `fshard.Sharded` values, plain tensors (replicated:
-the same on every rank) and Python scalars as one DCP checkpoint: every rank writes its own
+the same on every rank), `fshard.PerRank` values (each pipeline stage's own tree, keyed by its
+index: ``stages.pp=1.w``) and Python scalars as one DCP checkpoint: every rank writes its own
 blocks, once per distinct block (replicas are deduplicated). `load` reads it back into
 the layouts of a ``like`` pytree, which may live on a mesh of another shape or another world
 size: DCP works on global shapes, so a model trained at ``dp=2, tp=2`` resumes at
@@ -62,6 +63,7 @@ import torch.distributed as dist
 from ._errors import CheckpointError, report
 from ._layout import Layout
 from ._sharded import Sharded
+from ._stages import PerRank
 
 __all__ = ["save", "load", "latest_step", "steps", "CheckpointError"]
 
@@ -261,7 +263,12 @@ def steps(path) -> list[int]:
 
 
 def _flatten(tree, where):
-    accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
+    treedef = optree.tree_structure(tree)
+    # An fs.PerRank value holds this rank's own tree (a pipeline stage's parameters): its leaves
+    # are keyed by the rank's index along the PerRank's axes ("stages.pp=1.w"), so every index's
+    # tree is saved (once, by one of its copies) and each rank loads its own.
+    tree = optree.tree_map(_index_per_rank, tree, is_leaf=lambda x: isinstance(x, PerRank))
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree)
     keys = [".".join(str(getattr(e, "field", e.entry)) for e in a) for a in accessors]
     seen: dict[str, str] = {}
     dups = []
@@ -273,6 +280,15 @@ def _flatten(tree, where):
     if dups:
         raise CheckpointError(_bullets(f"fshard.checkpoint.{where}: duplicate state-dict keys", dups))
     return keys, leaves, treedef
+
+
+def _index_per_rank(x):
+    if not isinstance(x, PerRank):
+        return x
+    mesh, index = x.mesh, 0
+    for a in x.axes:
+        index = index * mesh.shape[a] + mesh.coordinate[a]
+    return {f"{'_'.join(x.axes)}={index}": x.tree}
 
 
 def _mesh_order(x: Sharded) -> Layout:

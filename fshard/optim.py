@@ -26,6 +26,7 @@ import torch
 from . import _vma
 from ._comm import all_reduce, untracked
 from ._sharded import Sharded
+from ._stages import PerRank
 
 __all__ = ["Optimizer", "sgd", "adamw", "clip_by_global_norm", "global_norm", "local_tensors"]
 
@@ -145,19 +146,33 @@ def global_norm(grads) -> torch.Tensor:
 
     A gradient split over some mesh axes is summed over exactly those axes; a replicated
     one is counted once. Inside ``shard_map`` the varying axes of each gradient decide; on
-    global values, each Sharded leaf's layout does. One all-reduce in all.
+    global values, each Sharded leaf's layout does, and the tensors of an `fs.PerRank` vary
+    over its axes (each pipeline stage's gradients counted once). One all-reduce in all.
 
     Examples:
         >>> norm = fs.optim.global_norm(grads)
     """
-    leaves = optree.tree_leaves(grads)
     tr = _vma.active()
+    leaves: list = []
+    per_rank: dict[int, tuple[str, ...]] = {}  # id(leaf) -> the axes of the fs.PerRank holding it
+    mesh = tr.mesh if tr is not None else None
+    for x in optree.tree_leaves(grads, is_leaf=lambda v: isinstance(v, PerRank)):
+        if isinstance(x, PerRank):  # this rank's own tensors: they vary over the PerRank's axes
+            inner = optree.tree_leaves(x.tree)
+            per_rank.update((id(t), tuple(x.axes)) for t in inner)
+            leaves += inner
+        else:
+            leaves.append(x)
+        if mesh is None and isinstance(x, (Sharded, PerRank)):
+            mesh = x.mesh
     total = None
-    mesh = tr.mesh if tr is not None else next((x.mesh for x in leaves if isinstance(x, Sharded)), None)
     for x in leaves:
         if isinstance(x, Sharded):
             split = x.layout.split_axes
             t = x.local
+        elif isinstance(x, torch.Tensor) and id(x) in per_rank and tr is None:
+            split = per_rank[id(x)]
+            t = x
         elif isinstance(x, torch.Tensor):
             if tr is not None:
                 split = tr.mesh.names_of(_vma.get(x, tr))

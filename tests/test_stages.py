@@ -10,6 +10,7 @@ on meshes pp=2, pp=4 and dp=2 x pp=2; the errors are checked by their full text.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -448,3 +449,54 @@ def test_debug_compares_copies_of_each_index():
             rank,
             got["debug_build"],
         )
+
+
+# =============================================================================================
+# fs.optim.global_norm of PerRank gradients outside shard_map: each stage's tensors counted once
+
+
+def _rank_global_norm():
+    mesh = fs.Mesh(dp=2, pp=2)
+    shapes = [(3, 4), (5,)]
+    stage = [lambda s=s: {"w": torch.full(shapes[s], float(s + 1))} for s in range(2)]
+    grads = {
+        "stages": fs.PerRank.build(mesh, "pp", stage),
+        "shared": torch.full((2,), 3.0),  # replicated: counted once
+        "split": fs.shard(torch.arange(8.0), mesh, "(dp n)"),
+    }
+    norm = fs.optim.global_norm(grads)
+    clipped, before = fs.optim.clip_by_global_norm(grads, 1.0)
+    return float(norm), float(before), float(fs.optim.global_norm(clipped))
+
+
+def test_global_norm_counts_each_stage_once():
+    want = math.sqrt(12 * 1.0 + 5 * 4.0 + 2 * 9.0 + float((torch.arange(8.0) ** 2).sum()))
+    for norm, before, after in run_ranks(4, _rank_global_norm):
+        assert norm == pytest.approx(want, rel=1e-6)
+        assert before == pytest.approx(want, rel=1e-6)
+        assert after == pytest.approx(1.0, rel=1e-5)
+
+
+# =============================================================================================
+# Checkpoints: each stage's own tree is saved under its index and loaded back on its ranks
+
+
+def _rank_checkpoint_stages(path):
+    from fshard import checkpoint
+
+    mesh = fs.Mesh(dp=2, pp=2)
+    shapes = [(3, 4), (5,)]
+
+    def build(fill):
+        return fs.PerRank.build(
+            mesh, "pp", [lambda s=s: {"w": torch.full(shapes[s], fill * (s + 1))} for s in range(2)]
+        )
+
+    checkpoint.save(path, {"stages": build(1.0), "step": 3})
+    got = checkpoint.load(path, {"stages": build(0.0), "step": 0})
+    s = mesh.coordinate["pp"]
+    return got["step"], torch.equal(got["stages"].tree["w"], torch.full(shapes[s], float(s + 1)))
+
+
+def test_checkpoint_per_rank_stages(tmp_path):
+    assert run_ranks(4, _rank_checkpoint_stages, str(tmp_path / "ckpt")) == [(3, True)] * 4
