@@ -19,7 +19,8 @@ wait for the end of the backward). It puts the gradient, cast to ``reduce_dtype`
 bucket of its (axis group, dtype, device) -- buckets are formed in the order gradients become
 ready -- and launches the bucket asynchronously once the gradient does not fit in it (the bucket
 goes, the gradient opens the next) or fills it: at most ``bucket_mb`` MiB, a larger gradient
-alone. When backward reaches the boundary (once every use is done), it launches the buckets still
+alone; the first bucket of each backward at most 1 MiB, as DDP's, so that a reduction starts
+early even when the whole model fits in one bucket. When backward reaches the boundary (once every use is done), it launches the buckets still
 open (those of inputs whose gradient never came included), waits for all of them and adds the
 sums into the gradients. The buckets of one backward are kept per call, with the id of the
 backward (autograd graph task): a backward abandoned by an exception leaves nothing that the next
@@ -51,6 +52,10 @@ __all__ = ["GradBoundary", "TwinTap", "BoundaryState", "DEFAULT_BUCKET_MB", "no_
 
 DEFAULT_BUCKET_MB = 25.0
 """Bucket size for gradient all-reduces, as DDP's default."""
+
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket of each backward is at most this big (1 MiB, as DDP's first bucket), so that
+a reduction starts early in the backward even when the whole model fits in one bucket."""
 
 _sync = True
 # Unreduced gradients of leaf inputs from calls under `no_sync`: id(input) -> (weak reference to
@@ -120,6 +125,7 @@ class BoundaryState:
         "task",
         "open",
         "launched",
+        "started",
     )
 
     def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None):
@@ -138,6 +144,7 @@ class BoundaryState:
         self.task: int | None = None  # the backward (autograd graph task) the buckets below belong to
         self.open: dict = {}  # (group, dtype, device) -> [indices, gradients, bytes]
         self.launched: list = []  # (work, flat, indices, shapes), in launch order
+        self.started: set = set()  # the (group, dtype, device) keys that launched a bucket
 
     def begin(self) -> None:
         """Start this backward's buckets; drop what an abandoned backward of the graph left."""
@@ -146,6 +153,7 @@ class BoundaryState:
             self.task = task
             self.open = {}
             self.launched = []
+            self.started = set()
 
     def add(self, i: int, g: AxisGroup, ct: torch.Tensor) -> None:
         """Put input ``i``'s unreduced gradient ``ct`` in the open bucket of its (group, dtype,
@@ -155,20 +163,23 @@ class BoundaryState:
             self.launched.append((None, ct.reshape(-1), [i], [ct.shape]))
             return
         key = (g, ct.dtype, ct.device)
+        cap = self.bucket_bytes if key in self.started else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
         b = self.open.get(key)
-        if b is not None and b[2] + nbytes > self.bucket_bytes:
+        if b is not None and b[2] + nbytes > cap:
             self._launch(key, b)
             b = None
+            cap = self.bucket_bytes
         if b is None:
             b = self.open[key] = [[], [], 0]
         b[0].append(i)
         b[1].append(ct)
         b[2] += nbytes
-        if b[2] >= self.bucket_bytes:
+        if b[2] >= cap:
             self._launch(key, b)
 
     def _launch(self, key, b) -> None:
         del self.open[key]
+        self.started.add(key)
         g = key[0]
         flat = torch.cat([c.reshape(-1) for c in b[1]])  # a copy: ct may be shared with other grads
         with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
