@@ -327,6 +327,11 @@ def wrap(
     if not idx:
         return out
     state = BoundaryState([xs[i] for i in idx], bucket_mb, cast, reduce_dtype)
+    if tr.uneven:
+        # Ranks hold blocks of different shapes, so Python code on shapes may build different
+        # graphs on different ranks, and the ready order with them: launch every bucket at the
+        # boundary, in input order (the same on every rank).
+        state.early = False
     got = apply(GradBoundary, state, *[xs[i] for i in idx])
     for k, i in enumerate(idx):
         vis, twin = got[2 * k], got[2 * k + 1]
