@@ -7,6 +7,7 @@ generator's pieces (summary, examples, signatures, an entry) are checked on smal
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
 import re
@@ -144,3 +145,32 @@ def test_a_public_member_neither_shown_nor_hidden_is_an_error(monkeypatch):
         "docs/gen_api.py: MEMBERS is out of date: fshard.Layout has no public member 'blocks'; "
         "fshard.Layout.block is neither shown nor hidden"
     )
+
+
+def test_public_surface_loads_lazily():
+    """Every name in __all__ is in the lazy table and resolves to an object defined in fshard;
+    the TYPE_CHECKING imports list the same names; import fshard alone does not import torch."""
+    import subprocess
+    import sys
+
+    from fshard import _LAZY
+
+    assert sorted(_LAZY) == sorted(fs.__all__)
+    for name in fs.__all__:
+        obj = getattr(fs, name)
+        assert (getattr(obj, "__module__", None) or obj.__name__).startswith("fshard"), name
+    tree = ast.parse(Path(fs.__file__).read_text())
+    guard = next(
+        n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"
+    )
+    typed = {a.name for n in guard.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert typed == set(fs.__all__), sorted(typed ^ set(fs.__all__))
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, fshard, fshard.run; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "False"
+    with pytest.raises(AttributeError, match="module 'fshard' has no attribute 'shardmap'"):
+        fs.shardmap  # noqa: B018
