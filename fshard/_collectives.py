@@ -40,6 +40,7 @@ import torch.distributed as dist
 from . import _comm, _vma
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
+from ._layout import chunk_sizes
 from ._primitives import (
     AllGather,
     AllGatherCoalesced,
@@ -459,8 +460,9 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
     """Sum ``x`` over ``axis`` and keep this rank's block along ``dim`` (a reduce-scatter).
 
     With ``tiled=False`` dimension ``dim`` must have the axis size and is removed; with
-    ``tiled=True`` it must be divisible by the axis size and shrinks by it. The result
-    varies over ``axis``; the gradient is an ``all_gather``.
+    ``tiled=True`` it is cut into one block per index, as torch.chunk cuts it (uneven when the
+    axis size does not divide it: 10 rows over 4 ranks give 3, 3, 3 and 1). The result varies
+    over ``axis``; the gradient is an ``all_gather`` (of the same blocks).
 
     Examples:
         >>> y_block = fs.psum_scatter(partial_y, "tp", dim=0, tiled=True)
@@ -475,8 +477,11 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
         _no_async_tree(async_op, "psum_scatter")
         return _psum_scatter_tree(x, axis, dim, tiled)
     tr, g, bits, v = _prologue(x, axis, "psum_scatter")
-    dim = _check_scatter(x, g, dim, tiled, "psum_scatter")
+    dim = _check_scatter(x, g, dim, tiled, "psum_scatter", uneven=not async_op)
     x = _vary(x, tr, v, bits)
+    if tiled and x.shape[dim] % g.size:  # uneven blocks: later collectives of the call check shapes
+        tiled = chunk_sizes(x.shape[dim], [g.size])
+        tr.uneven = True
     if async_op:
         from ._primitives import split_blocks
 
@@ -518,10 +523,11 @@ def _no_async_tree(async_op: bool, where: str) -> None:
         )
 
 
-def _check_scatter(x, g, dim, tiled, where) -> int:
+def _check_scatter(x, g, dim, tiled, where, uneven: bool = False) -> int:
     dim = _norm_dim(dim, x.dim(), where)
     if tiled:
-        _check_divisible(x, dim, g.size, where)
+        if not uneven:
+            _check_divisible(x, dim, g.size, where)
     elif x.shape[dim] != g.size:
         raise CollectiveError(
             f"fs.{where}: with tiled=False dim {dim} must have the axis size {g.size}, "

@@ -218,12 +218,13 @@ class _ShardMapped:
                 plans,
                 tuple(i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL),
                 [p.bits for p in plans],  # varying axes of each block (0 for non-tensors)
-                sizes if uneven else None,  # with uneven blocks: the global size of each dim label
+                sizes,  # the global size of each dim label
+                uneven,  # some input has uneven blocks
             )
             _remember(self._in_plans, key, hit)
         elif len(self._in_plans) > 8:  # keep the LRU order once there are several plans
             self._in_plans.move_to_end(key)
-        plans, global_idx, masks, label_sizes = hit
+        plans, global_idx, masks, label_sizes, uneven = hit
         if not self._out_specs_checked:
             self._precheck_out_specs()
         mesh = self.mesh
@@ -232,7 +233,7 @@ class _ShardMapped:
             _stages.debug_check_inputs(self.name, mesh, args, leaves, plans, InKind.PER_RANK)
         versions = [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
-        tr.uneven = label_sizes is not None
+        tr.uneven = uneven
         tr.bucket_mb = self._bucket_mb if self._tracked else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
         if self._compute_dtype is not None or (
@@ -276,8 +277,8 @@ class _ShardMapped:
                 # per index: cast it to varying so its gradient sums over the copies.
                 out_leaves = [_vary_out(x, p, tr) for x, p in zip(out_leaves, oplans)]
         done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
-        if label_sizes is not None or any(p.uneven for p in oplans):
-            _global_shapes(done, oplans, mesh, label_sizes or {})
+        if tr.uneven or any(p.uneven for p in oplans):  # (tr.uneven: also set by f's own collectives)
+            _global_shapes(done, oplans, mesh, label_sizes)
         return optree.tree_unflatten(out_treedef, done)
 
     # == planning ===========================================================================

@@ -602,7 +602,7 @@ def _rank_collective_errors():
         "bad_axis_type": lambda x: fs.psum(x, 3),
         "axis_index_unknown": lambda x: x + fs.axis_index("pd"),
         "not_tensor": lambda x: fs.psum("3.0", "dp"),  # (a Python number is fine: psum(1, "dp"))
-        "scatter_nondiv": lambda x: fs.psum_scatter(x, "tp", dim=1, tiled=True),
+        "scatter_nondiv": lambda x: fs.psum_scatter(x, "tp", dim=1, tiled=True, async_op=True),
         "scatter_untiled": lambda x: fs.psum_scatter(x, "tp", dim=1),
         "a2a_dim": lambda x: fs.all_to_all(x, "tp", split_dim=2, concat_dim=0),
         "ppermute_range": lambda x: fs.ppermute(x, "tp", [(0, 2)]),

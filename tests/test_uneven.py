@@ -386,3 +386,39 @@ def _rank_dtensor():
 
 def test_dtensor_uneven():
     assert_ok(run_ranks(4, _rank_dtensor))
+
+
+# =============================================================================================
+# psum_scatter into uneven blocks inside f
+
+
+def _rank_psum_scatter_uneven():
+    mesh = fs.Mesh(dp=4)
+    errs: list[str] = []
+    X = randn(10, 8, 10, dtype=F64)  # 8 rows: 2 per rank; the reduce-scatter cuts 10 columns
+    W = randn(11, 10, 10, dtype=F64)
+
+    @fs.shard_map(mesh=mesh, in_specs=("(dp b) d", "d k"), out_specs=("b (dp k)", ""))
+    def f(x, w):
+        part = x.T @ (x @ w)  # (10, 10): this rank's partial sum
+        block = fs.psum_scatter(part, "dp", dim=1, tiled=True)  # 3, 3, 3, 1 columns
+        whole = fs.all_gather(block, "dp", dim=1, tiled=True)  # the uneven blocks again
+        return block, fs.pmean((whole**2).sum(), "dp")
+
+    w = W.clone().requires_grad_(True)
+    block, loss = f(X, w)
+    wr = W.clone().requires_grad_(True)
+    full = X.T @ (X @ wr)
+    lr = (full**2).sum()
+    lr.backward()
+    loss.backward()
+    if tuple(block.shape) != (10, 10):
+        errs.append(f"shape {tuple(block.shape)}")
+    close(errs, "scattered", block.full(), full, F64)
+    close(errs, "loss", loss, lr, F64)
+    close(errs, "grad w", w.grad, wr.grad, F64)
+    return errs
+
+
+def test_psum_scatter_uneven():
+    assert_ok(run_ranks(4, _rank_psum_scatter_uneven))
