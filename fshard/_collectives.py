@@ -479,15 +479,17 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
     tr, g, bits, v = _prologue(x, axis, "psum_scatter")
     dim = _check_scatter(x, g, dim, tiled, "psum_scatter", uneven=not async_op)
     x = _vary(x, tr, v, bits)
-    if tiled and x.shape[dim] % g.size:  # uneven blocks: later collectives of the call check shapes
-        tiled = chunk_sizes(x.shape[dim], [g.size])
+    size = cast(torch.Tensor, x).shape[dim]
+    tiling: bool | tuple[int, ...] = tiled
+    if tiled and size % g.size:  # uneven blocks: later collectives of the call check shapes
+        tiling = chunk_sizes(size, [g.size])
         tr.uneven = True
     if async_op:
         from ._primitives import split_blocks
 
-        handle = _comm.reduce_scatter_start(split_blocks(cast(torch.Tensor, x), g.size, dim, tiled), g)
-        return Pending(lambda: _vma.tag(_apply(ReduceScatterDone, x, g, dim, tiled, handle), tr, v | bits))
-    return _vma.tag(_apply(ReduceScatter, x, g, dim, tiled), tr, v | bits)
+        handle = _comm.reduce_scatter_start(split_blocks(cast(torch.Tensor, x), g.size, dim, tiling), g)
+        return Pending(lambda: _vma.tag(_apply(ReduceScatterDone, x, g, dim, tiling, handle), tr, v | bits))
+    return _vma.tag(_apply(ReduceScatter, x, g, dim, tiling), tr, v | bits)
 
 
 class Pending:
