@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,20 @@ def run_ranks(n: int, fn, *args, **kwargs) -> list:
 
 
 def close_pools() -> None:
-    """Close every cached pool (idempotent)."""
-    while _POOLS:
-        _POOLS.popitem()[1].close()
+    """Close every cached pool (idempotent), all at once: each close waits for its ranks to exit."""
+    pools = list(_POOLS.values())
+    _POOLS.clear()
+    threads = []
+    for pool in pools:
+        thread = threading.Thread(target=pool.close, name=f"close-{pool.nprocs}-rank-pool")
+        try:
+            thread.start()
+        except RuntimeError:  # at interpreter shutdown (the atexit fallback), new threads are refused
+            pool.close()
+        else:
+            threads.append(thread)
+    for thread in threads:
+        thread.join()
 
 
 atexit.register(close_pools)

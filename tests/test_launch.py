@@ -82,7 +82,9 @@ def _expected(n, scale=1.0, offset=0.0):
 # --- launch -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+# 1 and 2 ranks here; fs.launch on 3 ranks below. fs.launch is a one-shot RankPool, whose 4-rank
+# world (start-up, results in rank order) every run_ranks(4, ...) test of the suite uses.
+@pytest.mark.parametrize("n", [1, 2])
 def test_launch_returns_per_rank_results(n):
     assert launch(_rank_and_sum, n, args=(2.0,), kwargs={"offset": 0.5}) == _expected(n, 2.0, 0.5)
 
