@@ -12,8 +12,9 @@ Markers (an HTML comment on the line before a fenced ``python`` block; invisible
     Runs once the multi-rank scripts have finished, in the same working directory (to read a
     checkpoint one of them wrote, say).
 ``<!-- test: ranks=4 -->``
-    A complete script, run as ``python -m fshard.run -n 4 script.py`` would run it. A block whose
-    body is only a ``--8<-- "examples/x.py"`` include runs that file.
+    A complete script, run on 4 ranks as ``python -m fshard.run -n 4 script.py`` would run it (as
+    ``__main__``, with torchrun's environment; its ``fs.init()`` joins the ranks' world). A block
+    whose body is only a ``--8<-- "examples/x.py"`` include runs that file.
 ``<!-- no-test: REASON -->``
     Not run. A python block with no marker fails ``test_every_python_block_is_marked``.
 
@@ -22,9 +23,10 @@ gives that block's expected stdout (rank 0's for ``ranks=4``), compared as docte
 ELLIPSIS: ``...`` matches anything.
 
 Cost control: the single-process sessions run in one interpreter that imports torch once and
-forks a child per session; all multi-rank scripts run one after the other in a single 4-rank
-world started once with ``python -m fshard.run -n 4``. The two runners run at the same time.
-This file is also the runner: ``python tests/test_docs.py single|ranks PAYLOAD RESULTS``.
+forks a child per session; all multi-rank scripts run one after the other on the test-suite's
+persistent 4-rank pool (conftest.py ``run_ranks``), in the snippets' working directory, with the
+ranks' global random state restored afterwards. The two run at the same time. This file is also
+the single-process runner: ``python tests/test_docs.py single PAYLOAD RESULTS``.
 """
 
 from __future__ import annotations
@@ -219,19 +221,33 @@ def _single_runner(payload: list[dict], results_path: str) -> None:
     Path(results_path).write_text(json.dumps(results), encoding="utf-8")
 
 
-def _ranks_runner(payload: list[dict], results_dir: str) -> None:
-    """Run every multi-rank script in turn in this world; each rank writes its own results file."""
-    rank = int(os.environ["RANK"])
+def _ranks_runner(payload: list[dict], results_dir: str, workdir: str) -> None:
+    """Rank function: run every multi-rank script in turn; each rank writes its own results file.
+
+    Runs in ``workdir``; the working directory, ``sys.argv`` and the global random state are
+    restored afterwards (the pool's ranks serve other tests). A failed script raises, so that the
+    pool stops the other ranks, which may wait for this one in a collective.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
     path = Path(results_dir) / f"rank{rank}.json"
     results = []
-    for snip in payload:
-        sys.argv = [snip["source_name"]]
-        got = _run_one(snip, {"__name__": "__main__", "__file__": str(ROOT / snip["source_name"])})
-        results.append(got)
-        path.write_text(json.dumps(results), encoding="utf-8")
-        if got["error"]:
-            sys.stdout.flush()
-            os._exit(1)  # fshard.run then stops the other ranks, which may wait in a collective
+    cwd, argv = os.getcwd(), sys.argv
+    os.chdir(workdir)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for snip in payload:
+                sys.argv = [snip["source_name"]]
+                got = _run_one(snip, {"__name__": "__main__", "__file__": str(ROOT / snip["source_name"])})
+                results.append(got)
+                path.write_text(json.dumps(results), encoding="utf-8")
+                if got["error"]:
+                    raise RuntimeError(f"{snip['id']} failed on rank {rank}:\n{got['error']}")
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
 
 
 # == the tests ==============================================================================
@@ -254,71 +270,64 @@ if pytest is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         got: dict[str, dict] = {}
 
-        def start(mode, modes):
-            chosen = [asdict(s) | {"id": s.id} for s in snippets if s.mode in modes]
-            if not chosen:
-                return None
-            payload = tmp / f"{mode}.json"
-            payload.write_text(json.dumps(chosen), encoding="utf-8")
-            out = tmp / f"{mode}-results"
-            me = str(Path(__file__).resolve())
-            if mode == "ranks":
-                out.mkdir()
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "fshard.run",
-                    "-n",
-                    str(RANKS),
-                    me,
-                    "ranks",
-                    str(payload),
-                    str(out),
-                ]
-            else:
-                cmd = [sys.executable, me, "single", str(payload), str(out)]
-            log = open(tmp / f"{mode}.log", "w", encoding="utf-8")  # noqa: SIM115
-            proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
-            return mode, chosen, out, log, proc
+        def chosen(modes):
+            return [asdict(s) | {"id": s.id} for s in snippets if s.mode in modes]
 
-        def finish(started):
-            if started is None:
-                return
-            mode, chosen, out, log, proc = started
+        def not_run(snips, why):
+            for s in snips:
+                got.setdefault(
+                    s["id"],
+                    {"id": s["id"], "stdout": "", "seconds": 0.0, "error": f"not run ({why})"},
+                )
+
+        # The single-process runner starts first, in the background; its "after=ranks" sessions
+        # wait for the go file, created once the multi-rank scripts are done.
+        single = chosen({"single", "after"})
+        proc = None
+        if single:
+            payload, out = tmp / "single.json", tmp / "single-results"
+            payload.write_text(json.dumps(single), encoding="utf-8")
+            log = open(tmp / "single.log", "w", encoding="utf-8")  # noqa: SIM115
+            cmd = [sys.executable, str(Path(__file__).resolve()), "single", str(payload), str(out)]
+            proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+        ranks = chosen({"ranks"})
+        if ranks:
+            from fshard._errors import RankError
+            from tests.conftest import run_ranks
+
+            ranks_out = tmp / "ranks-results"
+            ranks_out.mkdir()
+            failure = None
+            try:
+                run_ranks(RANKS, _ranks_runner, ranks, str(ranks_out), str(work), timeout=TIMEOUT)
+            except RankError as exc:
+                failure = str(exc)[-3000:]
+            for rank_file in sorted(ranks_out.glob("rank*.json")):
+                rank = rank_file.stem
+                for r in json.loads(rank_file.read_text(encoding="utf-8")):
+                    if rank == "rank0" or r["error"]:
+                        if r["error"]:
+                            r["error"] = f"[{rank}] {r['error']}"
+                        got.setdefault(r["id"], r)
+            not_run(ranks, f"an earlier snippet failed, or the ranks failed:\n{failure}")
+        (tmp / "single-results.go").touch()
+
+        if proc is not None:
             try:
                 proc.wait(timeout=TIMEOUT)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
             log.close()
-            tail = (tmp / f"{mode}.log").read_text(encoding="utf-8")[-3000:]
-            if mode == "ranks":
-                for rank_file in sorted(out.glob("rank*.json")):
-                    rank = rank_file.stem
-                    for r in json.loads(rank_file.read_text(encoding="utf-8")):
-                        if rank == "rank0" or r["error"]:
-                            if r["error"]:
-                                r["error"] = f"[{rank}] {r['error']}"
-                            got.setdefault(r["id"], r)
-            elif out.exists():
+            tail = (tmp / "single.log").read_text(encoding="utf-8")[-3000:]
+            if out.exists():
                 got.update({r["id"]: r for r in json.loads(out.read_text(encoding="utf-8"))})
-            for s in chosen:
-                got.setdefault(
-                    s["id"],
-                    {
-                        "id": s["id"],
-                        "stdout": "",
-                        "seconds": 0.0,
-                        "error": f"not run (an earlier snippet failed, or the {mode} runner "
-                        f"died: exit {proc.returncode}); runner output:\n{tail}",
-                    },
-                )
-
-        # The two runners run side by side; "after=ranks" sessions wait for the go file.
-        ranks, single = start("ranks", {"ranks"}), start("single", {"single", "after"})
-        finish(ranks)
-        (tmp / "single-results.go").touch()
-        finish(single)
+            not_run(
+                single,
+                f"an earlier snippet failed, or the single runner died: exit {proc.returncode}; "
+                f"runner output:\n{tail}",
+            )
         return got
 
     _SNIPPETS, _PROBLEMS = collect()
@@ -368,12 +377,6 @@ if pytest is not None:
 
 if __name__ == "__main__":
     _mode, _payload, _out = sys.argv[1:4]
-    _snips = json.loads(Path(_payload).read_text(encoding="utf-8"))
+    assert _mode == "single", _mode
     sys.path.insert(0, str(ROOT))
-    if _mode == "single":
-        _single_runner(_snips, _out)
-    else:
-        import fshard as _fs
-
-        _fs.init()
-        _ranks_runner(_snips, _out)
+    _single_runner(json.loads(Path(_payload).read_text(encoding="utf-8")), _out)
