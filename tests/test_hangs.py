@@ -309,7 +309,7 @@ print("5 axes:", probe, no_group_yet, groups() - start)
 
 def test_multi_axis_groups_are_made_with_the_mesh_and_indices_need_none():
     out = subprocess.run(
-        [sys.executable, "-c", GROUPS_SCRIPT], env=_clean_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", GROUPS_SCRIPT], env=_clean_env(), capture_output=True, text=True, timeout=110
     )
     assert out.returncode == 0, out.stderr
     # 4 axis groups plus the 11 - 1 combinations (a, b, c, d together is the world group itself);
