@@ -5,10 +5,6 @@
 * ``fs.launch(timeout=...)`` is not cut short by a shorter in-rank backstop;
 * sizes and indices of axis tuples need no group, and multi-axis groups are made with the mesh;
 * ``python -m fshard.run -n N`` warns when N is far beyond the machine.
-
-Cost control: the launcher's own logic is called in this process (``fshard.run.main(argv)``, what
-``python -m fshard.run`` runs), which spares an interpreter and ``import torch`` per case; the ranks
-are real processes as always. tests/test_launch.py runs ``python -m fshard.run`` itself.
 """
 
 from __future__ import annotations
@@ -37,24 +33,6 @@ def _clean_env():
     return env
 
 
-def _fshard_run(argv, monkeypatch, capfd):
-    """``python -m fshard.run ARGV`` run by this process: (exit code, stdout, stderr).
-
-    The ranks get the environment and working directory a clean shell in the repository would give
-    them, and write to this process's stdout and stderr (captured at the file-descriptor level).
-    """
-    import fshard.run
-
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PYTHONPATH", _clean_env()["PYTHONPATH"])
-    monkeypatch.chdir(ROOT)
-    capfd.readouterr()  # drop anything printed before
-    code = fshard.run.main([str(a) for a in argv])
-    out, err = capfd.readouterr()
-    return code, out, err
-
-
 # --- 1. a raising rank ends the job at once and is the one named --------------------------------------
 
 RAISE_SCRIPT = """
@@ -76,15 +54,22 @@ def _failed_at(text):
 
 
 @pytest.mark.parametrize("nprocs, bad", [(2, 1), (2, 0), (4, 1), (4, 0)])
-def test_fshard_run_raising_rank_exits_at_once_and_is_named(tmp_path, monkeypatch, capfd, nprocs, bad):
+def test_fshard_run_raising_rank_exits_at_once_and_is_named(tmp_path, nprocs, bad):
     script = tmp_path / "raise.py"
     script.write_text(RAISE_SCRIPT)
-    code, _, err = _fshard_run(["-n", nprocs, script, bad], monkeypatch, capfd)
+    out = subprocess.run(
+        [sys.executable, "-m", "fshard.run", "-n", str(nprocs), str(script), str(bad)],
+        env=_clean_env(),
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=110,  # below pytest-timeout's 120 s; the bound that matters is asserted below
+    )
     ended = time.time()
-    assert code == 1, err
-    assert ended - _failed_at(err) < BOUND  # it used to wait for the 30-minute timeout
-    blamed = [line for line in err.splitlines() if line.startswith("fshard.run: rank")]
-    assert len(blamed) == 1, err
+    assert out.returncode == 1, out.stderr
+    assert ended - _failed_at(out.stderr) < BOUND  # it used to wait for the 30-minute timeout
+    blamed = [line for line in out.stderr.splitlines() if line.startswith("fshard.run: rank")]
+    assert len(blamed) == 1, out.stderr
     assert re.fullmatch(
         rf"fshard\.run: rank {bad} \(pid \d+\) raised ValueError: deliberate failure on rank {bad} "
         r"at t=[0-9.]+( and exited with code 1)?(; terminating the \d other running rank\(s\))?",
@@ -110,9 +95,7 @@ def test_torchrun_raising_rank_exits_at_once(tmp_path):
     assert "error_file:" in out.stderr and "ValueError: deliberate failure on rank 1" in out.stderr
 
 
-def test_a_rank_leaving_with_sys_exit_mid_collective_is_named_within_the_timeout(
-    tmp_path, monkeypatch, capfd
-):
+def test_a_rank_leaving_with_sys_exit_mid_collective_is_named_within_the_timeout(tmp_path):
     # Rank 1 leaves with sys.exit(3) while rank 0 waits for it in a collective. It cannot know
     # its exit code at exit, so it waits for rank 0 at the exit barrier, for half of fs.init's
     # timeout, then leaves; rank 0 then fails (a consequence), and the launcher names rank 1.
@@ -126,15 +109,22 @@ def test_a_rank_leaving_with_sys_exit_mid_collective_is_named_within_the_timeout
         "    sys.exit(3)\n"
         "dist.all_reduce(torch.ones(1))\n"
     )
-    code, out, err = _fshard_run(["-n", 2, script], monkeypatch, capfd)
-    left = float(re.search(r"leaving at t=([0-9.]+)", out).group(1))
+    out = subprocess.run(
+        [sys.executable, "-m", "fshard.run", "-n", "2", str(script)],
+        env=_clean_env(),
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=110,  # below pytest-timeout's 120 s; the bound that matters is asserted below
+    )
+    left = float(re.search(r"leaving at t=([0-9.]+)", out.stdout).group(1))
     assert time.time() - left < BOUND
-    assert code == 3, err
-    blamed = [line for line in err.splitlines() if line.startswith("fshard.run: rank")]
+    assert out.returncode == 3, out.stderr
+    blamed = [line for line in out.stderr.splitlines() if line.startswith("fshard.run: rank")]
     assert len(blamed) == 1 and re.fullmatch(
         r"fshard\.run: rank 1 \(pid \d+\) exited with code 3(; terminating the \d other running rank\(s\))?",
         blamed[0],
-    ), err
+    ), out.stderr
 
 
 def _record(path, exc_type, text, secondary=False):
