@@ -404,6 +404,17 @@ def _targets_md(results) -> list[str]:
             "Wall-clock medians decide (main-thread CPU ratios in brackets: steadier when other processes "
             "share the cores). *fshard* = default `bucket_mb`.",
             "",
+            "Where a target is missed, the structural reasons (true of every run): fshard's step also "
+            "all-reduces the loss (the demo's `loss_fn` returns the global mean; the DDP and FSDP2 programs "
+            "return a local loss), so its count is one above theirs at equal buckets; the gradient buckets "
+            "follow DDP (a first bucket of at most 1 MiB, then 25 MiB), so the demo's dp step has two; the "
+            "FSDP layouts gather layer by layer (`fs.fsdp_scan`: one all-gather per block in the forward and "
+            "one in the backward, one reduce-scatter per block, the embeddings and head apart), which is "
+            "FSDP2's pattern and its memory, not the floor's one flat all-gather. Against the floor (one flat "
+            "vector, no per-parameter ops) fshard pays the per-op tracking of varying axes in Python (the CPU "
+            "ratio). Wall ratios on a 2-core machine running 2-4 ranks plus gloo's threads move by 10-20% "
+            "between runs; repeated A/B runs of one cell are the way to compare two versions.",
+            "",
             "| target | world | layout | model | this run | verdict |",
             "|---|---|---|---|---|---|",
         ]
