@@ -260,15 +260,15 @@ class _ShardMapped:
             *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves],
         )
         if _debug.enabled:
-            _stages.debug_check_outputs(
-                self.name, mesh, out, out_leaves, okey
-            )  # _debug.check_outputs + PerRank
-        oplans = self._out_plans.get(okey)
-        if oplans is None:
+            _stages.debug_check_outputs(self.name, mesh, out, out_leaves, okey)  # + PerRank outputs
+        ohit = self._out_plans.get(okey)
+        if ohit is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)
-            _remember(self._out_plans, okey, oplans)
+            ohit = (oplans, any(p.uneven for p in oplans))  # (plans, some output scattered unevenly)
+            _remember(self._out_plans, okey, ohit)
         elif len(self._out_plans) > 8:
             self._out_plans.move_to_end(okey)
+        oplans, out_uneven = ohit
         if self._tracked:
             if self.check:
                 self._check_outputs(out_leaves, oplans, tr)
@@ -277,7 +277,7 @@ class _ShardMapped:
                 # per index: cast it to varying so its gradient sums over the copies.
                 out_leaves = [_vary_out(x, p, tr) for x, p in zip(out_leaves, oplans)]
         done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
-        if tr.uneven or any(p.uneven for p in oplans):  # (tr.uneven: also set by f's own collectives)
+        if tr.uneven or out_uneven:  # (tr.uneven: also set by f's own collectives)
             _global_shapes(done, oplans, mesh, label_sizes)
         return optree.tree_unflatten(out_treedef, done)
 
