@@ -140,16 +140,8 @@ def _prologue(x, axis, where: str):
 
 def _shapes(xs, g) -> list[list[tuple[int, ...]]] | None:
     """The shapes of ``xs`` at each index of ``g`` (one small all-gather), or None if all agree."""
-    mine: list[int] = []
-    for x in xs:
-        row = [x.dim(), *x.shape[:8]]
-        mine += row + [0] * (9 - len(row))
-    with untracked():
-        t = torch.tensor(mine, dtype=torch.int64, device=xs[0].device)
-        rows = _comm.all_gather_blocks(t, g).tolist()
-    if all(row == rows[0] for row in rows):
-        return None
-    return [[tuple(row[9 * k + 1 : 9 * k + 1 + row[9 * k]]) for k in range(len(xs))] for row in rows]
+    shapes = _comm.gather_shapes(xs, g)
+    return None if all(s == shapes[0] for s in shapes) else shapes
 
 
 def _same_shapes(shapes, g, where: str, paths=None) -> None:

@@ -365,6 +365,21 @@ def reduce_(t: torch.Tensor, g: AxisGroup, dst: int) -> None:
                 dist.reduce(t, dst=g.global_ranks[dst], group=g.group)  # type: ignore[arg-type]
 
 
+def gather_shapes(xs, g: AxisGroup, device=None) -> list[list[tuple[int, ...]]]:
+    """The shapes of tensors ``xs`` at every index of ``g``: ``out[i][k]`` is index ``i``'s
+    ``xs[k].shape``. One small all-gather of ``[ndim, *shape]`` rows padded to 9 numbers (shapes
+    past 8 dims are known by their first 8), so that ranks can compare shapes before a collective
+    whose sizes must agree. ``device``: where the rows travel (default: ``xs[0]``'s device)."""
+    mine: list[int] = []
+    for x in xs:
+        row = [x.dim(), *x.shape[:8]]
+        mine += row + [0] * (9 - len(row))
+    with untracked():
+        t = torch.tensor(mine, dtype=torch.int64, device=device or xs[0].device)
+        rows = all_gather_blocks(t, g).tolist()
+    return [[tuple(row[9 * k + 1 : 9 * k + 1 + min(row[9 * k], 8)]) for k in range(len(xs))] for row in rows]
+
+
 def broadcast_object(objs: list, src: int) -> None:
     """``dist.broadcast_object_list`` over the world, counted as a broadcast."""
     if dist.is_initialized() and dist.get_world_size() > 1:

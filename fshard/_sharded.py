@@ -269,21 +269,15 @@ def _check_shape(local: torch.Tensor, mesh: Mesh, layout: Layout, shape, spec) -
 def _global_shape_of_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout) -> torch.Size | None:
     """The global shape of which every rank's ``local`` is a block: None when the blocks are
     equal (an even split), else found from the gathered shapes; a SpecError (on every rank
-    alike) when the blocks are not torch.chunk's blocks of one global value.
-
-    One small all-gather of ``[ndim, *shape]`` per rank, padded to a fixed length (shapes past 8
-    dims are compared by their first 8)."""
+    alike) when the blocks are not torch.chunk's blocks of one global value. One small all-gather
+    (`_comm.gather_shapes`)."""
     g = mesh.axis_group(mesh.axis_names, "Sharded")
-    mine = [local.dim(), *local.shape[:8]]
-    with _comm.untracked():
-        t = torch.tensor(mine + [0] * (9 - len(mine)), dtype=torch.int64, device=mesh.device)
-        rows = _comm.all_gather_blocks(t, g).tolist()
-    if all(row == rows[0] for row in rows):
+    shapes = [s[0] for s in _comm.gather_shapes([local], g, mesh.device)]
+    if all(sh == shapes[0] for sh in shapes):
         return None
     coords = [_coord_of(mesh, r) for r in mesh.ranks]
-    shapes = [tuple(row[1 : 1 + row[0]]) for row in rows]
     shape: list[int] | None = None
-    if all(row[0] == local.dim() for row in rows) and local.dim() <= 8:
+    if all(len(sh) == local.dim() for sh in shapes) and local.dim() <= 8:
         shape = []
         for d, axes in enumerate(layout.dims):
             if not axes:
