@@ -383,11 +383,13 @@ def all_gather(
     Examples:
         >>> w = fs.all_gather(w_shard, "dp", dim=0, tiled=True)   # FSDP parameter
 
-    ``x`` may be a pytree of tensors, gathered along the same ``dim`` each: the leaves of one
-    dtype go in one all-gather (and their gradients in one reduce-scatter).
+    ``x`` may be a pytree of tensors, each gathered along ``dim``, or along its own dim when
+    ``dim`` is a pytree of ints matching ``x`` (or a prefix of it): the leaves of one dtype go
+    in one all-gather (and their gradients in one reduce-scatter).
 
     Examples:
         >>> layer = fs.all_gather({"w": w_shard, "b": b_shard}, "dp", tiled=True)
+        >>> top = fs.all_gather({"wte": wte, "w_out": w_out}, "dp", dim={"wte": 1, "w_out": 0}, tiled=True)
     """
     if not isinstance(x, torch.Tensor):
         _no_async_tree(async_op, "all_gather")
@@ -422,9 +424,19 @@ def all_gather(
 def _all_gather_tree(tree, axis, dim, tiled, invariant):
     tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, "all_gather")
     accessors = optree.tree_flatten_with_accessor(tree)[0]
+    if isinstance(dim, int):
+        per_leaf = [dim] * len(leaves)
+    else:  # one dim per leaf, or per subtree
+        try:
+            per_leaf = optree.broadcast_prefix(dim, tree)
+        except ValueError:
+            raise CollectiveError(
+                f"fs.all_gather: dim must be an int or a pytree of ints matching x (or a prefix of it); "
+                f"got dim={dim!r} for x with structure {treedef}"
+            ) from None
     dims = [
-        _norm_dim(dim, x.dim() if tiled else x.dim() + 1, f"all_gather at {acc.codify('x')}")
-        for x, acc in zip(leaves, accessors)
+        _norm_dim(d, x.dim() if tiled else x.dim() + 1, f"all_gather at {acc.codify('x')}")
+        for x, d, acc in zip(leaves, per_leaf, accessors)
     ]
     vs = [_vma.get(x, tr) for x in leaves]
     xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]

@@ -203,11 +203,11 @@ def test_model_api_gives_the_same_loss_and_gradients_in_every_layout():
         assert attempted and not failed, f"fshard_demo.{name}: {failed} of {attempted} doctests failed"
     assert out["fsdp_tp"][1] == "(dp d) (tp e)" and out["dp"][1] == "d e"
     loss, _, norm, _ = out["dp_tp"]
-    # FSDP: the embeddings and the head in two all-gathers (split dims 1 and 0), kept for the
-    # backward; each block (n_layers=2) gathered in the forward and again in the backward; one
-    # reduce-scatter of the gradients per gather of the forward
+    # FSDP: the embeddings and the head in one all-gather (each along its split dim), kept for
+    # the backward; each block (n_layers=2) gathered in the forward and again in the backward;
+    # one reduce-scatter of the gradients per gather of the forward
     for layout in ("fsdp", "fsdp_tp"):
-        assert out[layout][3] == (2 + 2 * 2, 2 + 2), (layout, out[layout][3])
+        assert out[layout][3] == (1 + 2 * 2, 1 + 2), (layout, out[layout][3])
     for layout in ("dp", "dp_tp"):
         assert out[layout][3] == (0, 0), (layout, out[layout][3])
     for layout in layouts:

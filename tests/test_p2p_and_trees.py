@@ -695,3 +695,55 @@ def test_profiler_labels():
             "fshard.reduce_scatter[dp] 96B",
         ], names
         assert quiet  # no profiler running: the shared no-op context
+
+
+# =============================================================================================
+# all_gather of a pytree with one dim per leaf: one coalesced all-gather, one reduce-scatter back
+
+
+def _rank_gather_dims(A, B):
+    mesh = fs.Mesh(dp=4)
+
+    @fs.shard_map(mesh=mesh, in_specs=({"a": "(dp r) c", "b": "c (dp k)"},), out_specs="")
+    def f(p):
+        full = fs.all_gather(p, "dp", dim={"a": 0, "b": 1}, tiled=True)
+        return fs.pmean((full["a"] @ full["b"]).tanh().sum(), "dp")
+
+    a = fs.shard(A, mesh, "(dp r) c").requires_grad_(True)  # stored split: no gradient gathers
+    b = fs.shard(B, mesh, "c (dp k)").requires_grad_(True)
+    with fs.count_collectives() as c:
+        loss = f({"a": a, "b": b})
+        loss.backward()
+    try:
+        fs.shard_map(
+            lambda p: fs.all_gather(p, "dp", dim={"a": 0}, tiled=True)["a"].sum(),
+            mesh=mesh,
+            in_specs=({"a": "(dp r) c", "b": "c (dp k)"},),
+            out_specs="",
+            check=False,
+        )({"a": a, "b": b})
+        err = None
+    except fs.CollectiveError as e:
+        err = str(e)
+    return loss.detach(), a.grad.full(), b.grad.full(), c.by_kind(), err
+
+
+def test_all_gather_tree_with_a_dim_per_leaf():
+    A, B = _randn(1, 8, 4), _randn(2, 4, 8)
+    a, b = A.clone().requires_grad_(True), B.clone().requires_grad_(True)
+    want = (a @ b).tanh().sum()
+    want.backward()
+    for loss, ga, gb, kinds, err in run_ranks(4, _rank_gather_dims, A, B):
+        torch.testing.assert_close(loss, want.detach())
+        torch.testing.assert_close(ga, a.grad)
+        torch.testing.assert_close(gb, b.grad)
+        # one coalesced all-gather (and the loss's all-reduce); one reduce-scatter back
+        assert kinds == {
+            ("all_gather", ("dp",)): 1,
+            ("reduce_scatter", ("dp",)): 1,
+            ("all_reduce", ("dp",)): 1,
+        }
+        assert err == (
+            "fs.all_gather: dim must be an int or a pytree of ints matching x (or a prefix of it); "
+            "got dim={'a': 0} for x with structure PyTreeSpec({'a': *, 'b': *})"
+        )

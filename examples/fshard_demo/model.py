@@ -190,15 +190,15 @@ def fsdp_dims(specs):
 def unshard(params, dp_dims):
     """All-gather the FSDP-split parameters over dp (the gradient becomes a reduce-scatter).
 
-    The parameters split along the same dim are gathered together: one coalesced all-gather
-    per dim (and dtype), whose transpose is one reduce-scatter.
+    The split parameters are gathered together, each along its own dim: one coalesced
+    all-gather (per dtype), whose transpose is one reduce-scatter.
     """
     leaves, treedef = optree.tree_flatten(params)
     dims = treedef.flatten_up_to(dp_dims)
+    idx = [i for i, d in enumerate(dims) if d >= 0]
     out = list(leaves)
-    for d in sorted({d for d in dims if d >= 0}):
-        idx = [i for i, x in enumerate(dims) if x == d]
-        gathered = fs.all_gather([leaves[i] for i in idx], "dp", dim=d, tiled=True)
+    if idx:
+        gathered = fs.all_gather([leaves[i] for i in idx], "dp", dim=[dims[i] for i in idx], tiled=True)
         for i, w in zip(idx, gathered):
             out[i] = w
     return treedef.unflatten(out)
