@@ -13,7 +13,6 @@ gradients. Peak memory: the sharded parameters plus about two gathered layers.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,7 +24,7 @@ from ._collectives import _by_dtype, _vary
 from ._comm import untracked
 from ._errors import ArgumentError
 from ._mesh import AxisGroup
-from ._primitives import ReduceScatterCoalesced, _owned, _pack, _untracked, apply
+from ._primitives import ReduceScatterCoalesced, _pack, _untracked, apply, unpack_gathered
 from ._spec import parse_spec
 
 __all__ = ["fsdp_scan"]
@@ -328,7 +327,7 @@ class _Layer:
             for grp, handle in zip(self.groups, handles):
                 shapes = [self.xs[k].shape for k in grp]
                 dims = [self.dims[self.idx[k]] for k in grp]
-                for k, y in zip(grp, _arrange(handle.wait(), shapes, dims, self.g.size)):
+                for k, y in zip(grp, unpack_gathered(handle.wait(), shapes, dims, True)):
                     out[k] = y
         return out
 
@@ -359,20 +358,6 @@ def _unpack(saved):
         return y.as_strided(saved.size, saved.stride, y.storage_offset() + saved.offset)
 
 
-def _arrange(blocks: torch.Tensor, shapes, dims, n: int) -> list:
-    """Gathered ``[n, total]`` blocks of packed leaves as each leaf tiled along its dim."""
-    out = []
-    offset = 0
-    for shape, dim in zip(shapes, dims):
-        k = math.prod(shape)
-        piece = blocks[:, offset : offset + k].reshape(n, *shape).movedim(0, dim)
-        offset += k
-        full = list(shape)
-        full[dim] *= n
-        out.append(_owned(piece.reshape(full)))
-    return out
-
-
 class _Gathered(torch.autograd.Function):
     """The end of a layer's all-gather (packed leaves of one dtype); the transpose is one
     reduce-scatter of their gradients."""
@@ -380,7 +365,7 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     @_untracked
     def forward(g, dims, handle, *xs):
-        return tuple(_arrange(handle.wait(), [x.shape for x in xs], dims, g.size))
+        return tuple(unpack_gathered(handle.wait(), [x.shape for x in xs], dims, True))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

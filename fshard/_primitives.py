@@ -36,6 +36,7 @@ are never views of buffers made inside ``forward``, so users may update them in 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -63,6 +64,7 @@ __all__ = [
     "ReduceScatterDone",
     "split_blocks",
     "gather_dim",
+    "unpack_gathered",
     "scatter_dim",
     "local_block",
     "a2a_dim",
@@ -405,18 +407,25 @@ class AllReduceCoalesced(torch.autograd.Function):
 def _gather_many(xs, g: AxisGroup, dims, tiled: bool):
     """``gather_dim`` of each of ``xs`` (one dtype) along its ``dims`` entry, with one all-gather."""
     blocks = _comm.all_gather_blocks(_pack(xs), g)  # [N, total]; row i from index i
+    return tuple(unpack_gathered(blocks, [x.shape for x in xs], dims, tiled))
+
+
+def unpack_gathered(blocks: torch.Tensor, shapes, dims, tiled: bool) -> list:
+    """Gathered ``[N, total]`` rows of packed tensors of ``shapes`` as each one's all_gather
+    result along its ``dims`` entry (stacked, or concatenated when ``tiled``)."""
+    n = blocks.shape[0]
     out = []
     offset = 0
-    for x, dim in zip(xs, dims):
-        n = x.numel()
-        piece = blocks[:, offset : offset + n].reshape(g.size, *x.shape).movedim(0, dim)
-        offset += n
+    for shape, dim in zip(shapes, dims):
+        k = math.prod(shape)
+        piece = blocks[:, offset : offset + k].reshape(n, *shape).movedim(0, dim)
+        offset += k
         if tiled:
-            shape = list(x.shape)
-            shape[dim] *= g.size
-            piece = piece.reshape(shape)
+            full = list(shape)
+            full[dim] *= n
+            piece = piece.reshape(full)
         out.append(_owned(piece))
-    return tuple(out)
+    return out
 
 
 def _scatter_many(xs, g: AxisGroup, dims, tiled: bool):
