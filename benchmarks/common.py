@@ -251,3 +251,35 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else float("inf")
     return num / den
+
+
+# -- hand-written Megatron tensor parallelism (the MLP and GPT floors) --
+
+
+class CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, all_reduce of the input gradient over tp in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all_reduce of the partial output over tp in forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        dist.all_reduce(y, group=group)
+        ctx.mark_dirty(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

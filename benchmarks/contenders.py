@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import PARAM_NAMES, Ctx, Prepared, full, mlp_forward, trivial_fn
+from .common import PARAM_NAMES, CopyToTP, Ctx, Prepared, ReduceFromTP, full, mlp_forward, trivial_fn
 
 # ----------------------------------------------------------------------------------------------------------
 # Collectives (the flat-tensor variants were renamed in recent torch; use whichever exists)
@@ -41,35 +41,6 @@ def _dtensor_api():
 # 1. Tensor-parallel MLP: Linear(h->4h) column-split, GELU, Linear(4h->h) row-split; loss = sum(output).
 #    x requires grad (as if it came from a previous layer), so the input gradient is all-reduced too.
 # ----------------------------------------------------------------------------------------------------------
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Megatron's ``f``: identity forward, all_reduce of the input gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Megatron's ``g``: all_reduce of the partial output in forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        dist.all_reduce(y, group=group)
-        ctx.mark_dirty(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def _tp_values(
@@ -98,9 +69,9 @@ def tp_mlp_handwritten(ctx: Ctx) -> Prepared:
 
     def step():
         w1.grad = b1.grad = w2.grad = b2.grad = x.grad = None
-        xi = _CopyToTP.apply(x, group)
+        xi = CopyToTP.apply(x, group)
         hdn = F.gelu(F.linear(xi, w1, b1))
-        y = _ReduceFromTP.apply(F.linear(hdn, w2), group) + b2
+        y = ReduceFromTP.apply(F.linear(hdn, w2), group) + b2
         loss = y.sum()
         loss.backward()
         if opt is not None:

@@ -43,7 +43,7 @@ except ImportError:  # a source checkout without the demo installed: it lives in
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from fshard_demo.model import Config, param_specs
 
-from .common import SEED, Ctx, Prepared, full
+from .common import SEED, CopyToTP, Ctx, Prepared, ReduceFromTP, full
 
 LAYOUTS = ("dp", "fsdp", "dp_tp", "fsdp_tp")
 
@@ -133,35 +133,6 @@ def from_tree(tree: dict, cfg: Config) -> dict[str, Any]:
     return {n: flat[n] for n in names(cfg)}
 
 
-class _CopyToTP(torch.autograd.Function):
-    """Megatron's ``f``: identity forward, all_reduce of the input gradient over tp in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Megatron's ``g``: all_reduce of the partial output over tp in forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        dist.all_reduce(y, group=group)
-        ctx.mark_dirty(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def forward(p: dict, tokens: torch.Tensor, cfg: Config, tp_group=None) -> torch.Tensor:
     """The demo's ``forward`` in plain torch over the demo's pytree (this rank's tp blocks when
     ``tp_group`` is given: Megatron f before q/k/v and w1, g after wo and w2)."""
@@ -172,19 +143,19 @@ def forward(p: dict, tokens: torch.Tensor, cfg: Config, tp_group=None) -> torch.
     for blk in p["blocks"]:
         h = F.layer_norm(x, (d,), blk["ln1_w"], blk["ln1_b"])
         if tp_group is not None:
-            h = _CopyToTP.apply(h, tp_group)
+            h = CopyToTP.apply(h, tp_group)
         q, k, v = ((h @ blk[w]).view(b, s, -1, hd).transpose(1, 2) for w in ("wq", "wk", "wv"))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.transpose(1, 2).reshape(b, s, -1) @ blk["wo"]
         if tp_group is not None:
-            a = _ReduceFromTP.apply(a, tp_group)
+            a = ReduceFromTP.apply(a, tp_group)
         x = x + a
         h = F.layer_norm(x, (d,), blk["ln2_w"], blk["ln2_b"])
         if tp_group is not None:
-            h = _CopyToTP.apply(h, tp_group)
+            h = CopyToTP.apply(h, tp_group)
         m = F.gelu(h @ blk["w1"]) @ blk["w2"]
         if tp_group is not None:
-            m = _ReduceFromTP.apply(m, tp_group)
+            m = ReduceFromTP.apply(m, tp_group)
         x = x + m
     x = F.layer_norm(x, (d,), p["lnf_w"], p["lnf_b"])
     return x @ p["w_out"]
