@@ -73,11 +73,10 @@ def _groups(rows: list, mesh) -> str:
     return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for r in by.values())
 
 
-def check_inputs(name: str, mesh, leaves, plans) -> None:
-    """Plain tensor inputs must hold the same global value on every rank."""
-    from ._shard_map import InKind
-
-    idx = [i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL]
+def check_inputs(name: str, mesh, leaves, plans, kind) -> None:
+    """Plain tensor inputs (plans of ``kind``, shard_map's ``InKind.GLOBAL``) must hold the same
+    global value on every rank."""
+    idx = [i for i, p in enumerate(plans) if p.kind is kind]
     if not idx or mesh.size == 1:
         return
     rows = _gather([_digest(leaves[i]) for i in idx], mesh)

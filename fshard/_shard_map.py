@@ -229,7 +229,7 @@ class _ShardMapped:
             self._precheck_out_specs()
         mesh = self.mesh
         if _debug.enabled:
-            _debug.check_inputs(self.name, mesh, leaves, plans)
+            _debug.check_inputs(self.name, mesh, leaves, plans, InKind.GLOBAL)
             _stages.debug_check_inputs(self.name, mesh, args, leaves, plans, InKind.PER_RANK)
         versions = [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
