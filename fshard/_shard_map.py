@@ -470,7 +470,17 @@ class _ShardMapped:
                     f"out_spec, or pass check=False if you know it is the same on every rank"
                 )
         if problems:
-            raise SpecError(_report(self.name, "out_specs", problems, kind="replication check"))
+            msg = _report(self.name, "out_specs", problems, kind="replication check")
+            drew = _vma.global_draw(tr)
+            if drew is not None:
+                msg += (
+                    f"\nf drew random numbers from torch's global generator ({drew}), which gives each rank "
+                    f"numbers of its own, so they vary over every mesh axis; draw them with fs.random, whose "
+                    f"streams agree across the axes a value is replicated over: fs.random.dropout(x, p, "
+                    f"seed=step) for dropout, or pass generator=fs.random.generator(seed, like=x) to "
+                    f"torch.rand, torch.randn, torch.bernoulli, Tensor.normal_ and the rest"
+                )
+            raise SpecError(msg)
 
 
 # == eager evaluation =====================================================================

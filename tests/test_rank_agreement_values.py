@@ -188,3 +188,193 @@ def test_check_false_gradients_of_replicated_outputs(n, a, b):
         for i, (name, (_, _, _, _, ref)) in enumerate(_programs(n, a, b).items())
     }
     assert_ok(run_ranks(n, _rank_unchecked, n, a, b, W, X, C))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. torch's global generator: each rank draws its own numbers
+
+
+def _draw(route, x):
+    """A value drawn from torch's global generator; returns (value, the op's name in the message)."""
+    import torch.nn.functional as F
+
+    if route == "F.dropout":
+        return F.dropout(x, 0.5), "torch.nn.functional.dropout"
+    if route == "nn.Dropout":
+        return torch.nn.Dropout(0.5)(x), "torch.nn.functional.dropout"
+    if route == "rand":
+        return torch.rand(3), "torch.rand"
+    if route == "randn_like":
+        return torch.randn_like(x), "torch.randn_like"
+    if route == "bernoulli":
+        return torch.bernoulli(torch.full_like(x, 0.5)), "torch.bernoulli"
+    if route == "normal_":
+        return torch.empty(3).normal_(), "Tensor.normal_"
+    if route == "uniform_":
+        return x.clone().uniform_(), "Tensor.uniform_"
+    if route == "multinomial":
+        return torch.multinomial(torch.ones(5), 3), "torch.multinomial"
+    if route == "randperm":
+        return torch.randperm(5), "torch.randperm"
+    if route == "randint":
+        return torch.randint(0, 9, (3,)), "torch.randint"
+    raise AssertionError(route)
+
+
+DRAWS = [
+    "F.dropout",
+    "nn.Dropout",
+    "rand",
+    "randn_like",
+    "bernoulli",
+    "normal_",
+    "uniform_",
+    "multinomial",
+    "randperm",
+    "randint",
+]
+
+
+def _replication_text(head, axes, spec, drew):
+    ax = ", ".join(axes)
+    tup = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+    word = "axis" if len(axes) == 1 else "axes"
+    text = (
+        f"fs.shard_map({head}): 1 problem with out_specs (replication check):\n"
+        f"  - out varies over mesh {word} {ax} but out_spec {spec!r} says it is replicated over {ax}; reduce it "
+        f"inside f (fs.psum / fs.pmean over {tup}), mark it as a partial sum with '| sum({' '.join(axes)})', split "
+        f"a dim over {ax} in the out_spec, or pass check=False if you know it is the same on every rank"
+    )
+    if drew:
+        text += (
+            f"\nf drew random numbers from torch's global generator ({drew}), which gives each rank numbers of "
+            f"its own, so they vary over every mesh axis; draw them with fs.random, whose streams agree across "
+            f"the axes a value is replicated over: fs.random.dropout(x, p, seed=step) for dropout, or pass "
+            f"generator=fs.random.generator(seed, like=x) to torch.rand, torch.randn, torch.bernoulli, "
+            f"Tensor.normal_ and the rest"
+        )
+    return text
+
+
+def _spec_error(fn, *args):
+    try:
+        fn(*args)
+    except (fs.SpecError, fs.TracingError) as e:
+        return str(e)
+    return "no error"
+
+
+def _rank_random(X, W, C):
+    import torch.nn.functional as F
+
+    errs: list[str] = []
+    texts: dict = {}
+    torch.manual_seed(1000 + torch.distributed.get_rank())  # per-rank seeds, as a training script has
+    mesh = fs.Mesh(dp=2, tp=2)
+    x = X.clone()
+
+    # a dp-split activation, replicated over tp, through F.dropout: the tp replicas would differ
+    def drop(h):
+        return F.dropout(h, 0.5)
+
+    texts["drop"] = _spec_error(fs.shard_map(drop, mesh=mesh, in_specs="(dp b) d", out_specs="(dp b) d"), x)
+    for route in DRAWS:
+
+        def f(h, route=route):
+            return _draw(route, h)[0]
+
+        texts[route] = _spec_error(fs.shard_map(f, mesh=mesh, in_specs="b d", out_specs="..."), x)
+
+    # what does not draw from the global generator passes the check
+    def ok(h):
+        out = {
+            "fs.random.dropout": fs.random.dropout(h, 0.5, seed=1),
+            "fs.random.generator": torch.randn(h.shape, generator=fs.random.generator(0, like=h)),
+            "eval nn.Dropout": torch.nn.Dropout(0.5).eval()(h),
+            "training=False": F.dropout(h, 0.5, training=False),
+            "p=0": F.dropout(h, 0.0),
+        }
+        rep = {
+            "fs.random.normal": fs.random.normal(0, (3,)),
+            "generator seeded alike": torch.rand(3, generator=torch.Generator().manual_seed(5)),
+        }
+        return out, rep
+
+    try:
+        out, rep = fs.shard_map(ok, mesh=mesh, in_specs="(dp b) d", out_specs=("(dp b) d", "..."))(x)
+    except fs.FshardError as e:
+        errs.append(f"fs.random and non-drawing calls failed the check: {e}")
+    else:
+        for k in ("eval nn.Dropout", "training=False", "p=0"):
+            close(errs, k, out[k].full(), X, DT)
+        close(errs, "fs.random.normal", rep["fs.random.normal"], fs.random.normal(0, (3,)), torch.float32)
+        close(
+            errs,
+            "seeded",
+            rep["generator seeded alike"],
+            torch.rand(3, generator=torch.Generator().manual_seed(5)),
+            torch.float32,
+        )
+
+    # fs.random.generator's numbers vary over like's axes: not replicated over dp
+    def gen_rep(h):
+        return torch.randn(h.shape, generator=fs.random.generator(0, like=h))
+
+    texts["generator_replicated"] = _spec_error(
+        fs.shard_map(gen_rep, mesh=mesh, in_specs="(dp b) d", out_specs="..."), x
+    )
+
+    # an in-place dropout of a tp-replicated value that needs a gradient: its gradient could not be summed
+    def inplace(h, w):
+        return F.dropout(h @ w, 0.5, inplace=True)
+
+    texts["inplace"] = _spec_error(
+        fs.shard_map(inplace, mesh=mesh, in_specs=("(dp b) k", "k d"), out_specs="(dp b) (tp d)"),
+        X,
+        W.clone().requires_grad_(True),
+    )
+
+    # gradients: the tp-replicated operand gets a pvary (its gradient sums the tp ranks' masked
+    # cotangents); compared with plain torch given the masks the ranks drew
+    for axes, out_spec, reps in (({"dp": 4}, "(dp b) d", 1), ({"dp": 2, "tp": 2}, "(dp b) (tp d)", 2)):
+        m = fs.Mesh(**axes)
+        f = fs.shard_map(
+            lambda h, w: F.dropout(h @ w, 0.5), mesh=m, in_specs=("(dp b) k", "k d"), out_specs=out_spec
+        )
+        x, w = X.clone().requires_grad_(True), W.clone().requires_grad_(True)
+        y = f(x, w).full()
+        c = C[: y.shape[0], : y.shape[1]]
+        (y * c).sum().backward()
+        xr, wr = X.clone().requires_grad_(True), W.clone().requires_grad_(True)
+        h = (xr @ wr).repeat(1, reps)
+        mask = (y.detach() != 0).to(DT) * 2.0
+        if reps == 2 and torch.equal(mask[:, : W.shape[1]], mask[:, W.shape[1] :]):
+            errs.append(f"{axes}: the two tp ranks drew the same mask")
+        close(errs, f"{axes}: value", y, h * mask, DT)
+        (h * mask * c).sum().backward()
+        close(errs, f"{axes}: grad x", x.grad, xr.grad, DT)
+        close(errs, f"{axes}: grad w", w.grad, wr.grad, DT)
+    return errs, texts
+
+
+def test_global_generator_draws_vary_over_every_axis():
+    X, W, C = _randn(0, 8, 4), _randn(1, 4, D), _randn(2, 8, 2 * D)
+    results = run_ranks(4, _rank_random, X, W, C)
+    assert_ok([errs for errs, _ in results])
+    texts = results[0][1]
+    assert all(t == texts for _, t in results), "ranks disagree"
+    head = "_rank_random.<locals>."
+    assert texts["drop"] == _replication_text(
+        head + "drop", ["tp"], "(dp b) d", "torch.nn.functional.dropout"
+    )
+    for route in DRAWS:
+        want = _replication_text(head + "f", ["dp", "tp"], "...", _draw(route, torch.ones(2, 2))[1])
+        assert texts[route] == want, route
+    # an fs.random.generator stream varies over like's axes: the check says so, with no word on torch's generator
+    assert texts["generator_replicated"] == _replication_text(head + "gen_rep", ["dp"], "...", None)
+    assert texts["inplace"] == (
+        "fs.shard_map(_rank_random.<locals>.inplace): in-place dropout writes a value that varies over mesh axis "
+        "'tp' into a tensor that needs a gradient and does not vary over them, so its gradient could not be "
+        "summed over those axes; use the out-of-place op (e.g. torch.where, index_put, x = x + y), or "
+        "fs.pvary(x, ...) before writing into it"
+    )
