@@ -378,3 +378,80 @@ def test_global_generator_draws_vary_over_every_axis():
         "summed over those axes; use the out-of-place op (e.g. torch.where, index_put, x = x + y), or "
         "fs.pvary(x, ...) before writing into it"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. fs.optim.clip_grad_norm_: the global norm of FSDP-sharded parameters' local gradients
+
+CLIP_SPECS = {"w1": "(dp a) b", "w2": "(dp b) c"}  # 7 and 5 rows: uneven blocks on 2 and 4 ranks
+
+
+def _clip_params():
+    return {"w1": _randn(20, 7, 5), "w2": _randn(21, 5, 3), "bias": _randn(22, 3)}
+
+
+def _clip_loss_ref(p, x):
+    return ((x @ p["w1"]).tanh() @ p["w2"] + p["bias"]).pow(2).sum()
+
+
+def _rank_clip(n, X):
+    errs: list[str] = []
+    mesh = fs.Mesh(dp=n)
+
+    @fs.shard_map(mesh=mesh, in_specs=("(dp a) b", "(dp b) c", "c", "(dp m) a"), out_specs="")
+    def loss_fn(w1, w2, bias, x):
+        w1, w2 = fs.all_gather(w1, "dp", tiled=True), fs.all_gather(w2, "dp", tiled=True)
+        return fs.psum(((x @ w1).tanh() @ w2 + bias).pow(2).sum(), "dp")
+
+    P = _clip_params()
+    params = {
+        k: fs.shard(v, mesh, CLIP_SPECS[k]).requires_grad_(True) for k, v in P.items() if k in CLIP_SPECS
+    }
+    params["bias"] = P["bias"].clone().requires_grad_(True)  # a plain tensor: replicated
+    ref = {k: v.clone().requires_grad_(True) for k, v in P.items()}
+    order = ["w1", "w2", "bias"]
+    for norm_type in (2.0, 1.0, 3.0, float("inf")):
+        for clips in (True, False):
+            for k in order:
+                p = params[k]
+                (p.local if isinstance(p, fs.Sharded) else p).grad = None
+                ref[k].grad = None
+            loss_fn(params["w1"], params["w2"], params["bias"], X).backward()
+            _clip_loss_ref(ref, X).backward()
+            true = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(ref[k].grad, norm_type) for k in order]), norm_type
+            )
+            max_norm = 0.3 * true.item() if clips else 3 * true.item()
+            what = f"norm_type={norm_type} {'clipping' if clips else 'not clipping'}"
+            if norm_type == 2.0 and clips:  # torch's own function on the local blocks: each rank its own norm
+                local = [fs.optim.local_tensors(params[k])[0].grad.clone() for k in order]
+                torch_local = torch.nn.utils.clip_grad_norm_(
+                    [torch.nn.Parameter(g.clone()) for g in local], 1.0
+                )
+                if torch.allclose(torch_local.to(DT), true):
+                    errs.append("torch's clip_grad_norm_ of the local blocks gave the global norm")
+            want = torch.nn.utils.clip_grad_norm_([ref[k] for k in order], max_norm, norm_type)
+            with fs.count_collectives() as counts:
+                got = fs.optim.clip_grad_norm_(params.values(), max_norm, norm_type=norm_type)
+            close(errs, f"{what}: norm", got, want, DT)
+            if counts.total != 1:
+                errs.append(f"{what}: {counts}, want one all_reduce")
+            for k in order:
+                g = params[k].grad.full() if isinstance(params[k], fs.Sharded) else params[k].grad
+                close(errs, f"{what}: clipped grad {k}", g, ref[k].grad, DT)
+    return errs
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_clip_grad_norm_of_sharded_parameters(n):
+    assert_ok(run_ranks(n, _rank_clip, n, _randn(23, 4 * n, 7)))
+
+
+def test_clip_grad_norm_bad_norm_type():
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(fs.ArgumentError) as e:
+            fs.optim.clip_grad_norm_([], 1.0, norm_type=bad)
+        assert str(e.value) == (
+            f"fs.optim.clip_grad_norm_: norm_type must be a positive number or float('inf'), got "
+            f"{float(bad)!r}; use 2.0 for the L2 norm"
+        )
