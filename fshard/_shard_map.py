@@ -11,12 +11,14 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+import math
 
 import optree
 import torch
 
 from . import _buckets, _debug, _stages, _vma
 from ._buckets import DEFAULT_BUCKET_MB
+from ._comm import untracked
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
 from ._layout import Layout, bind
 from ._mesh import Mesh
@@ -65,6 +67,14 @@ def shard_map(
             reduce-scatter when the summed axis also splits a dim).
         check: check that each output is invariant over every mesh axis its out_spec
             does not mention (before any communication, identically on every rank).
+            ``check=False`` takes such an output to be the same on every rank of those axes
+            (its value is this rank's) and, as JAX's ``check_vma=False``, divides its
+            gradient by the product of the sizes of the axes it is tracked as varying over
+            but its out_spec replicates: each rank's copy sends its cotangent back through
+            ``f``, and the replicated inputs' gradients sum the copies, so without the
+            division they would be that product times too large. Outputs that tracking proves
+            replicated are untouched. A value that in fact differs across those ranks gets
+            the mean of its ranks' gradient contributions.
         bucket_mb: the gradient all-reduces of inputs that are replicated over an axis and
             meet data varying over it (data parallel) are grouped into flat buckets of at most
             this many MiB, launched together once the backward through ``f`` is done, instead
@@ -272,6 +282,8 @@ class _ShardMapped:
         if self._tracked:
             if self.check:
                 self._check_outputs(out_leaves, oplans, tr)
+            elif torch.is_grad_enabled():
+                out_leaves = _scale_unchecked(out_leaves, oplans, tr)
             if torch.is_grad_enabled():
                 # An output invariant over an axis its spec splits or sums over holds one copy
                 # per index: cast it to varying so its gradient sums over the copies.
@@ -458,7 +470,17 @@ class _ShardMapped:
                     f"out_spec, or pass check=False if you know it is the same on every rank"
                 )
         if problems:
-            raise SpecError(_report(self.name, "out_specs", problems, kind="replication check"))
+            msg = _report(self.name, "out_specs", problems, kind="replication check")
+            drew = _vma.global_draw(tr)
+            if drew is not None:
+                msg += (
+                    f"\nf drew random numbers from torch's global generator ({drew}), which gives each rank "
+                    f"numbers of its own, so they vary over every mesh axis; draw them with fs.random, whose "
+                    f"streams agree across the axes a value is replicated over: fs.random.dropout(x, p, "
+                    f"seed=step) for dropout, or pass generator=fs.random.generator(seed, like=x) to "
+                    f"torch.rand, torch.randn, torch.bernoulli, Tensor.normal_ and the rest"
+                )
+            raise SpecError(msg)
 
 
 # == eager evaluation =====================================================================
@@ -520,6 +542,47 @@ def _vary_out(x, p: _OutPlan, tr):
     if p.allowed & ~v:
         return _vma.pvary(x, tr, v, v | p.allowed)
     return x
+
+
+class _ScaleCotangent(torch.autograd.Function):
+    """Identity forward; the backward multiplies the cotangent by ``scale`` (``check=False``)."""
+
+    @staticmethod
+    def forward(x, scale):
+        with untracked():
+            return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ct):
+        return ct * ctx.scale, None
+
+
+def _scale_unchecked(leaves: list, plans, tr) -> list:
+    """Under ``check=False``: divide the cotangent of each output tracked as varying over axes its
+    out_spec says it is replicated over by the product of their sizes (JAX's ``check_vma=False``
+    rule, restricted to the axes tracking cannot prove invariant).
+
+    Such an output is taken to be the same on every rank of those axes; each of the N copies
+    then sends its cotangent back through ``f``, and the transposes sum the N contributions into
+    the replicated inputs: N times the true gradient without the division.
+    """
+    out = None
+    sizes = tr.mesh.shape
+    for i, (x, p) in enumerate(zip(leaves, plans)):
+        if p.kind is OutKind.PASS or not x.requires_grad:
+            continue
+        v = _vma.get(x, tr)
+        extra = v & ~p.allowed
+        if extra:
+            if out is None:
+                out = list(leaves)
+            n = math.prod(sizes[a] for a in tr.mesh.names_of(extra))
+            out[i] = _vma.tag(_apply(_ScaleCotangent, x, 1.0 / n), tr, v)
+    return leaves if out is None else out
 
 
 def _finish(x, p: _OutPlan, mesh):

@@ -15,6 +15,7 @@ data-parallel data still gets exactly one gradient reduction.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -487,6 +488,8 @@ def _classify(func):
     if special is not None:
         return special
     name = getattr(func, "__name__", "")
+    if name in _RANDOM_OPS:
+        return _random
     if name.startswith("_foreach_"):
         return _foreach
     if name in _INPLACE_DUNDERS or (
@@ -529,3 +532,124 @@ def _autograd_grad(func, tr: Trace, args, kwargs):
             tag(g, tr, get(x, tr))
     del outputs
     return grads
+
+
+# -- draws from random number generators ------------------------------------------------------
+
+# Ops that draw random numbers, by name (torch functions, Tensor methods, torch.nn.functional and
+# torch.nn.init functions alike).
+_RANDOM_OPS = frozenset(
+    "rand randn rand_like randn_like randint randint_like randperm bernoulli bernoulli_ multinomial "
+    "normal normal_ uniform_ random_ exponential_ geometric_ log_normal_ cauchy_ poisson binomial "
+    "_standard_gamma _sample_dirichlet gumbel_softmax trunc_normal_ xavier_uniform_ xavier_normal_ "
+    "kaiming_uniform_ kaiming_normal_ orthogonal_ sparse_ dropout dropout1d dropout2d dropout3d "
+    "alpha_dropout feature_alpha_dropout feature_dropout native_dropout rrelu rrelu_ dropout_ "
+    "alpha_dropout_ feature_dropout_ feature_alpha_dropout_".split()
+)
+# Ops that draw only in training: name -> (position of the training flag, its default, position
+# of the inplace flag or None); a dropout's p is its second argument (p == 0 keeps everything).
+_TRAINING = {
+    "dropout": (2, True, 3),
+    "dropout1d": (2, True, 3),
+    "dropout2d": (2, True, 3),
+    "dropout3d": (2, True, 3),
+    "alpha_dropout": (2, False, 3),
+    "feature_alpha_dropout": (2, False, 3),
+    "feature_dropout": (2, False, None),
+    "native_dropout": (2, False, None),
+    "dropout_": (2, False, None),
+    "alpha_dropout_": (2, False, None),
+    "feature_dropout_": (2, False, None),
+    "feature_alpha_dropout_": (2, False, None),
+    "rrelu": (3, False, 4),
+    "rrelu_": (3, False, None),
+}
+
+# Generators made by fs.random.generator -> (trace id, the axes their stream differs over).
+_generator_axes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (trace id, op) of the latest draw from torch's global generator inside a shard_map call.
+_global_draw: list = [0, ""]
+
+
+def tag_generator(g: torch.Generator, tr: Trace, bits: int) -> torch.Generator:
+    """Numbers ``g`` draws inside ``tr`` vary over ``bits`` (`fshard.random.generator`); returns ``g``."""
+    _generator_axes[g] = (tr.id, bits)
+    return g
+
+
+def global_draw(tr: Trace) -> str | None:
+    """The first op in ``tr`` that drew from torch's global generator (a name), or None."""
+    return _global_draw[1] if _global_draw[0] == tr.id else None
+
+
+def _draws(name: str, args, kwargs) -> bool:
+    """Whether a dropout-like op draws: it is training and its p is not 0."""
+    rule = _TRAINING.get(name)
+    if rule is None:
+        return True
+    pos, default, _ = rule
+    if "training" in kwargs or "train" in kwargs:
+        training = kwargs.get("training", kwargs.get("train"))
+    else:
+        training = args[pos] if len(args) > pos else default
+    if not training:
+        return False
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    return name.startswith("rrelu") or p != 0
+
+
+def _operand_bits(seq, tr: Trace) -> int:
+    bits = 0
+    for a in seq:
+        if isinstance(a, _Tensor):
+            bits |= get(a, tr)
+        elif type(a) in _CARRIERS:
+            if type(a) is list or type(a) is tuple:
+                bits |= _operand_bits(a, tr)
+            else:
+                bits |= _scan(a, tr.id)
+    return bits
+
+
+def _random(func, tr: Trace, args, kwargs):
+    """An op that draws random numbers. From torch's global generator (no ``generator=``), each
+    rank draws its own numbers: the result varies over every mesh axis, as if an operand did
+    (operands that need a gradient are cast with pvary, so gradients sum over the ranks). With an
+    explicit generator the draw is a plain op, unless `fshard.random.generator` made it: then
+    the result also varies over the axes its stream differs over."""
+    name = func.__name__
+    gen = None
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Generator):
+            gen = a
+            break
+    if gen is not None:
+        hit = _generator_axes.get(gen)
+        extra = hit[1] if hit is not None and hit[0] == tr.id else 0
+    elif _draws(name, args, kwargs):
+        extra = tr.mesh.bits(tr.mesh.axis_names)
+        if _global_draw[0] != tr.id:
+            mod = getattr(func, "__module__", None)
+            _global_draw[:] = (tr.id, f"{mod}.{name}" if mod else f"Tensor.{name}")
+    else:
+        extra = 0
+    union = extra | _operand_bits(args, tr) | _operand_bits(kwargs.values(), tr)
+    rule = _TRAINING.get(name)
+    at = rule[2] if rule is not None else None
+    inplace = name.endswith("_") or (
+        at is not None and bool(kwargs.get("inplace", args[at] if len(args) > at else False))
+    )
+    dst = (args[0] if args else kwargs.get("tensor", kwargs.get("input"))) if inplace else None
+    if union and torch.is_grad_enabled():
+        if isinstance(dst, _Tensor) and dst.grad_fn is not None:
+            _check_inplace(func, tr, (dst,), union)
+        args = [a if a is dst else b for a, b in zip(args, _cast_args(args, tr, union))]
+        if kwargs:
+            cast = _cast_args(kwargs.values(), tr, union)
+            kwargs = {k: (a if a is dst else b) for (k, a), b in zip(kwargs.items(), cast)}
+    out = func(*args, **kwargs)
+    if union:
+        _tag_out(out, tr, union)
+        if isinstance(dst, _Tensor):
+            tag(dst, tr, union)
+    return out

@@ -11,7 +11,8 @@ Why functional rather than ``torch.optim``: parameters here are pytrees passed t
 returned from pure functions, often as `Sharded` wrappers whose local tensors are
 replaced each step; ``torch.optim`` keys its state on tensor identity. ``torch.optim``
 over the local blocks (``[p.local for p in leaves]``) still works when the parameters are
-updated in place; `local_tensors` gives that list.
+updated in place; `local_tensors` gives that list, and `clip_grad_norm_` clips their gradients
+by the global norm (``torch.nn.utils.clip_grad_norm_`` would clip each rank by its own blocks' norm).
 """
 
 from __future__ import annotations
@@ -22,13 +23,23 @@ from typing import NamedTuple
 
 import optree
 import torch
+import torch.distributed as dist
 
 from . import _vma
 from ._comm import all_reduce, untracked
+from ._errors import ArgumentError
 from ._sharded import Sharded
 from ._stages import PerRank
 
-__all__ = ["Optimizer", "sgd", "adamw", "clip_by_global_norm", "global_norm", "local_tensors"]
+__all__ = [
+    "Optimizer",
+    "sgd",
+    "adamw",
+    "clip_by_global_norm",
+    "clip_grad_norm_",
+    "global_norm",
+    "local_tensors",
+]
 
 
 class Optimizer(NamedTuple):
@@ -152,6 +163,16 @@ def global_norm(grads) -> torch.Tensor:
     Examples:
         >>> norm = fs.optim.global_norm(grads)
     """
+    return _global_norm(grads, 2.0)
+
+
+def _global_norm(grads, norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm (p > 0, or inf) of the leaves of ``grads``, each element counted once.
+
+    Each leaf's sum of ``|g|^p`` is divided by its number of copies on the mesh (the ranks that
+    hold the same block) and the sums are added over the whole mesh with one all-reduce; the
+    inf-norm is one all-reduce of the maximum. Computed in float32 at least (float64 leaves in
+    float64)."""
     tr = _vma.active()
     leaves: list = []
     per_rank: dict[int, tuple[str, ...]] = {}  # id(leaf) -> the axes of the fs.PerRank holding it
@@ -165,6 +186,7 @@ def global_norm(grads) -> torch.Tensor:
             leaves.append(x)
         if mesh is None and isinstance(x, (Sharded, PerRank)):
             mesh = x.mesh
+    inf = math.isinf(norm_type)
     total = None
     for x in leaves:
         if isinstance(x, Sharded):
@@ -182,19 +204,27 @@ def global_norm(grads) -> torch.Tensor:
         else:
             continue
         with untracked():
-            sq = t.detach().float().square().sum()
+            m = t.detach().to(torch.promote_types(t.dtype, torch.float32)).abs()
+            if inf:  # copies agree: the maximum needs no correction
+                term = m.max() if m.numel() else m.new_zeros(())
+                total = term if total is None else torch.maximum(total, term)
+                continue
+            term = m.square().sum() if norm_type == 2.0 else m.pow(norm_type).sum()
             if mesh is not None:
                 copies = mesh.size // math.prod(mesh.axis_size(a) for a in split) if split else mesh.size
-                sq = sq / copies
-            total = sq if total is None else total + sq
+                term = term / copies
+            total = term if total is None else total + term
     if total is None:
         return torch.zeros(())
     with untracked():
         if mesh is not None and mesh.size > 1:
-            total = all_reduce(total, mesh.axis_group(mesh.axis_names))
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            total = all_reduce(total, mesh.axis_group(mesh.axis_names), op)
             if tr is not None:
                 _vma.tag(total, tr, 0)
-        return total.sqrt()
+        if inf:
+            return total
+        return total.sqrt() if norm_type == 2.0 else total.pow(1.0 / norm_type)
 
 
 @torch.no_grad()
@@ -211,3 +241,58 @@ def clip_by_global_norm(grads, max_norm: float):
     scaled = iter(torch._foreach_mul(tensors, scale) if tensors else [])
     out = [next(scaled) if isinstance(t, torch.Tensor) else t for t in g]
     return _join(out, like, treedef), norm
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for sharded parameters: clip every gradient by the global norm.
+
+    ``parameters`` is a `Sharded` parameter, a plain tensor, or an iterable (or pytree) of them,
+    whose gradients ``loss.backward()`` set (``p.local.grad`` for a Sharded ``p``, ``p.grad``
+    for a plain tensor, which is taken to be replicated: the same on every rank). The norm is
+    that of the global gradients, each element counted once (one all-reduce, as `global_norm`);
+    every local gradient is then scaled in place by ``max_norm / (norm + 1e-6)`` clamped to 1,
+    as torch does. Returns the total norm.
+
+    ``torch.nn.utils.clip_grad_norm_`` over the local blocks (``[p.local for p in params]``)
+    computes each rank's norm of its own blocks, so ranks clip by different factors and their
+    replicas of the parameters drift apart.
+
+    Args:
+        parameters: the parameters whose gradients to clip.
+        max_norm: the largest norm allowed.
+        norm_type: ``p`` of the p-norm (``float("inf")`` for the largest absolute value).
+
+    Raises:
+        ArgumentError: for a ``norm_type`` that is not a positive number or inf.
+
+    Examples:
+        >>> loss_fn(params, x, y).backward()
+        >>> norm = fs.optim.clip_grad_norm_(params.values(), max_norm=1.0)
+        >>> opt.step()
+    """
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ArgumentError(
+            f"fs.optim.clip_grad_norm_: norm_type must be a positive number or float('inf'), got "
+            f"{norm_type!r}; use 2.0 for the L2 norm"
+        )
+    if isinstance(parameters, (torch.Tensor, Sharded)):
+        parameters = [parameters]
+    elif not isinstance(parameters, (list, tuple, dict)):
+        parameters = list(parameters)  # a generator such as model.parameters()
+    grads: list = []
+    for p in optree.tree_leaves(parameters):
+        if isinstance(p, Sharded):
+            if p.local.grad is not None:
+                grads.append(p._like(p.local.grad))
+        elif isinstance(p, torch.Tensor) and p.grad is not None:
+            grads.append(p.grad)
+    if not grads:
+        return torch.tensor(0.0)
+    total = _global_norm(grads, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        t = g.local if isinstance(g, Sharded) else g
+        t.mul_(coef.to(device=t.device, dtype=t.dtype))
+    return total

@@ -92,7 +92,14 @@ def generator(seed: int, like: torch.Tensor | None = None, *, axes=None, device=
     """A ``torch.Generator`` for per-shard random numbers inside ``shard_map``.
 
     The stream is seeded from ``seed`` and this rank's index along ``axes`` (by default the
-    axes ``like`` varies over), so it differs across those axes and agrees across the rest.
+    axes ``like`` varies over), so it differs across those axes and agrees across the rest;
+    numbers drawn from it in this call vary over those axes (for the replication check).
+
+    Inside ``shard_map`` an op that draws from torch's global generator (``F.dropout``,
+    ``torch.rand``, ``randn_like``, ``normal_``, ... without ``generator=``) gives each rank
+    its own numbers, so its result varies over every mesh axis. Any other explicit
+    ``generator=`` is taken at its word: a draw from it varies only as its operands do, so a
+    generator seeded alike on every rank gives replicated numbers.
 
     Examples:
         >>> g = fs.random.generator(step, like=h)
@@ -106,7 +113,8 @@ def generator(seed: int, like: torch.Tensor | None = None, *, axes=None, device=
         names = mesh.check_axes(axes, "random.generator")
     coords = tuple((n, mesh.axis_index(n)) for n in names)
     dev = device if device is not None else (like.device if like is not None else mesh.device)
-    return torch.Generator(device=dev).manual_seed(_mix(seed, coords))
+    g = torch.Generator(device=dev).manual_seed(_mix(seed, coords))
+    return _vma.tag_generator(g, tr, mesh.bits(names))  # its draws vary over those axes
 
 
 def dropout(x: torch.Tensor, p: float, seed: int, *, training: bool = True) -> torch.Tensor:
