@@ -15,13 +15,17 @@ The buckets are filled, and launched, while the backward runs (as DDP does). The
 is a `TwinTap` of the hidden one, made when the input is first cast (``_vma._twin_of``), just
 before its first varying use: the autograd engine runs ready nodes latest-created first, so the
 tap's backward runs as soon as the gradient of every use is in (made up front, every tap would
-wait for the end of the backward). It puts the gradient, cast to ``reduce_dtype``, in the open
-bucket of its (axis group, dtype, device) -- buckets are formed in the order gradients become
-ready -- and launches the bucket asynchronously once the gradient does not fit in it (the bucket
-goes, the gradient opens the next) or fills it: at most ``bucket_mb`` MiB, a larger gradient
-alone; the first bucket of each backward at most 1 MiB, as DDP's, so that a reduction starts
-early even when the whole model fits in one bucket. When backward reaches the boundary (once every use is done), it launches the buckets still
-open (those of inputs whose gradient never came included), waits for all of them and adds the
+wait for the end of the backward). It puts the gradient, cast to ``reduce_dtype``, in the
+bucket planned for it and launches, asynchronously, every bucket that is complete, strictly in
+plan order. The plan is made when the backward starts and is the same on every rank whatever
+order ``f`` used the inputs in (DDP's rule): inputs in reverse order, per (axis group, dtype,
+device), a bucket taking gradients while they fit in ``bucket_mb`` MiB (a larger one alone), the
+first of each key at most 1 MiB, as DDP's, so that a reduction starts early even when the whole
+model fits in one bucket; inputs whose tap will not run in this backward
+(``torch._C._will_engine_execute_node``) are left out. (Buckets filled in ready order would be
+summed misaligned when Python code on per-rank values orders the uses differently on each rank.)
+When backward reaches the boundary (once every use is done), it launches the buckets still
+waiting (zeros for a gradient that never came on this rank), waits for all of them and adds the
 sums into the gradients. The buckets of one backward are kept per call, with the id of the
 backward (autograd graph task): a backward abandoned by an exception leaves nothing that the next
 backward of the graph (``retain_graph``) or the next call would pick up.
@@ -108,24 +112,36 @@ class no_sync:
         _sync = self._saved
 
 
+def _pending_group(leaf):
+    """The axis group of ``leaf``'s pending (`no_sync`) gradient, or None."""
+    hit = _PENDING.get(id(leaf)) if leaf is not None and _PENDING else None
+    return hit[1] if hit is not None and hit[0]() is leaf else None
+
+
 class BoundaryState:
     """Per call: for each boundary input, the axis group its twin is summed over (or None),
-    its dtype and whether it is a leaf (whose reduction `no_sync` may defer); and, during one
-    backward, the buckets being filled and those launched."""
+    its dtype, shape and device, whether it is a leaf (whose reduction `no_sync` may defer), and
+    its twin's tap; during one backward, the buckets (planned in a fixed order, the same on every
+    rank) being filled and those launched."""
 
     __slots__ = (
         "groups",
         "bucket_bytes",
         "dtypes",
+        "shapes",
+        "devices",
         "leaves",
+        "taps",
         "defer",
         "param_dtype",
         "reduce_dtype",
         "early",
         "task",
-        "open",
+        "plan",
+        "slot",
+        "next",
+        "extra",
         "launched",
-        "started",
     )
 
     def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None):
@@ -133,64 +149,136 @@ class BoundaryState:
         self.groups: list[AxisGroup | None] = [None] * n
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.dtypes = [x.dtype for x in xs]
+        self.shapes = [x.shape for x in xs]
+        self.devices = [x.device for x in xs]
         self.leaves = [x if x.is_leaf else None for x in xs]
+        self.taps: list = [None] * n  # weak references to the twins' TwinTap nodes
         self.defer = not _sync
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         # Launch from the taps only when every input is on one device: the autograd engine runs
-        # the backward of each device on its own thread, so with several devices the ready order
-        # (hence the order of the all-reduces) could differ between ranks.
+        # the backward of each device on its own thread (the buckets' order is fixed, but a thread
+        # would wait on another's bucket).
         self.early = len({x.device for x in xs}) == 1
         self.task: int | None = None  # the backward (autograd graph task) the buckets below belong to
-        self.open: dict = {}  # (group, dtype, device) -> [indices, gradients, bytes]
+        self.plan: list | None = None  # buckets: [key, indices, gradients, missing, bytes, cap, position]
+        self.slot: dict = {}  # input index -> (bucket, position)
+        self.next = 0  # the next bucket to launch: buckets go strictly in plan order
+        self.extra: list = []  # gradients outside the plan (launched at the boundary, by index)
         self.launched: list = []  # (work, flat, indices, shapes), in launch order
-        self.started: set = set()  # the (group, dtype, device) keys that launched a bucket
 
     def begin(self) -> None:
         """Start this backward's buckets; drop what an abandoned backward of the graph left."""
         task = _graph_task()
         if task != self.task:
             self.task = task
-            self.open = {}
+            self.plan = None
+            self.slot = {}
+            self.next = 0
+            self.extra = []
             self.launched = []
-            self.started = set()
+
+    def _ct_dtype(self, i: int):
+        return self.reduce_dtype or self.dtypes[i]
+
+    def make_plan(self, present) -> None:
+        """Assign each input whose gradient this backward reduces (``present(i)``) to a bucket, in
+        reverse input order (as DDP: roughly the order a backward makes them ready), per (axis
+        group, dtype, device): a bucket takes gradients while they fit in ``bucket_mb`` (a larger
+        one alone), the first of each key at most 1 MiB. The order depends only on what every rank
+        has in common, never on the order gradients become ready, which Python code on per-rank
+        values (``if x.sum().item() > 0``) may change: buckets are summed aligned."""
+        plan: list = []
+        open_: dict = {}
+        for i in reversed(range(len(self.groups))):
+            leaf = self.leaves[i]
+            if self.defer and leaf is not None:
+                continue  # kept pending by no_sync
+            g = self.groups[i] or _pending_group(leaf)
+            if g is None or not present(i):
+                continue
+            dtype = self._ct_dtype(i)
+            nbytes = self.shapes[i].numel() * dtype.itemsize
+            if not nbytes:
+                continue
+            key = (g, dtype, self.devices[i])
+            b = open_.get(key)
+            if b is not None and b[4] + nbytes > b[5]:
+                del open_[key]
+                b = None
+            if b is None:
+                cap = (
+                    self.bucket_bytes
+                    if any(c[0] == key for c in plan)
+                    else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
+                )
+                b = open_[key] = [key, [], [], 0, 0, cap, len(plan)]
+                plan.append(b)
+            self.slot[i] = (b[6], len(b[1]))
+            b[1].append(i)
+            b[2].append(None)
+            b[3] += 1
+            b[4] += nbytes
+            if b[4] >= b[5]:
+                del open_[key]
+        self.plan = plan
+
+    def tap_present(self, i: int) -> bool:
+        """Whether input ``i``'s gradient comes in this backward (its tap will run, or no_sync left one)."""
+        if _pending_group(self.leaves[i]) is not None:
+            return True
+        ref = self.taps[i]
+        node = ref() if ref is not None else None
+        if node is None:
+            return False
+        try:
+            return bool(torch._C._will_engine_execute_node(node))
+        except RuntimeError:
+            return False
 
     def add(self, i: int, g: AxisGroup, ct: torch.Tensor) -> None:
-        """Put input ``i``'s unreduced gradient ``ct`` in the open bucket of its (group, dtype,
-        device); launch the bucket once ``ct`` does not fit in it or fills it."""
-        nbytes = ct.numel() * ct.element_size()
-        if not nbytes:  # nothing to reduce
+        """Put input ``i``'s unreduced gradient ``ct`` in its planned bucket; launch, in plan order,
+        every bucket that is now complete."""
+        if not ct.numel():  # nothing to reduce
             self.launched.append((None, ct.reshape(-1), [i], [ct.shape]))
             return
-        key = (g, ct.dtype, ct.device)
-        cap = self.bucket_bytes if key in self.started else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        b = self.open.get(key)
-        if b is not None and b[2] + nbytes > cap:
-            self._launch(key, b)
-            b = None
-            cap = self.bucket_bytes
-        if b is None:
-            b = self.open[key] = [[], [], 0]
-        b[0].append(i)
-        b[1].append(ct)
-        b[2] += nbytes
-        if b[2] >= cap:
-            self._launch(key, b)
+        if self.plan is None:
+            self.make_plan(lambda k: k == i or self.tap_present(k))
+        plan: list = self.plan or []
+        bucket, pos = self.slot.get(i, (-1, 0))
+        b = plan[bucket] if bucket >= 0 else None
+        if b is None or b[0][0] is not g or b[2][pos] is not None:
+            self.extra.append((i, g, ct))  # outside the plan: reduced at the boundary
+            return
+        b[2][pos] = ct
+        b[3] -= 1
+        while self.next < len(plan) and plan[self.next][3] == 0:
+            self._launch(plan[self.next])
+            self.next += 1
 
-    def _launch(self, key, b) -> None:
-        del self.open[key]
-        self.started.add(key)
-        g = key[0]
-        flat = torch.cat([c.reshape(-1) for c in b[1]])  # a copy: ct may be shared with other grads
+    def _launch(self, b) -> None:
+        key, idx, cts = b[0], b[1], b[2]
+        for k, i in enumerate(idx):  # a gradient that never came on this rank: zeros
+            if cts[k] is None:
+                cts[k] = torch.zeros(self.shapes[i], dtype=key[1], device=key[2])
+        self._reduce(key[0], idx, cts)
+
+    def _reduce(self, g: AxisGroup, idx: list, cts: list) -> None:
+        flat = torch.cat([c.reshape(-1) for c in cts])  # a copy: ct may be shared with other grads
         with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
             work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
-        self.launched.append((work, flat, b[0], [c.shape for c in b[1]]))
+        self.launched.append((work, flat, idx, [c.shape for c in cts]))
 
     def finish(self, grads: list) -> None:
-        """Launch the buckets still open, wait for all, add the sums into ``grads``."""
-        for key, b in list(self.open.items()):
-            self._launch(key, b)
-        launched, self.launched, self.task = self.launched, [], None
+        """Launch the buckets still waiting (in plan order), wait for all, add the sums into ``grads``."""
+        plan = self.plan or []
+        while self.next < len(plan):
+            self._launch(plan[self.next])
+            self.next += 1
+        for i, g, ct in sorted(self.extra, key=lambda e: e[0]):
+            self._reduce(g, [i], [ct])
+        launched, self.launched, self.task, self.plan = self.launched, [], None, None
+        self.extra = []
         for work, flat, idx, shapes in launched:
             if work is not None:
                 work.wait()
@@ -241,7 +329,10 @@ class TwinTap(torch.autograd.Function):
 
 
 def _tap(state: BoundaryState, i: int, raw: torch.Tensor) -> torch.Tensor:
-    return apply(TwinTap, state, i, raw)
+    out = apply(TwinTap, state, i, raw)
+    if out.grad_fn is not None:
+        state.taps[i] = weakref.ref(out.grad_fn)
+    return out
 
 
 class GradBoundary(torch.autograd.Function):
@@ -271,6 +362,10 @@ class GradBoundary(torch.autograd.Function):
         differentiable = torch.is_grad_enabled()
         if not differentiable:
             state.begin()  # keeps the buckets the taps filled in this backward
+            if state.plan is None:  # no tap launched: plan from what came (the same on every rank)
+                state.make_plan(
+                    lambda i: cts[2 * i + 1] is not None or _pending_group(state.leaves[i]) is not None
+                )
         for i in range(n):
             # The twin's gradient arrives here only if its tap passed it on (see TwinTap).
             vis, twin = cts[2 * i], cts[2 * i + 1]
@@ -327,11 +422,6 @@ def wrap(
     if not idx:
         return out
     state = BoundaryState([xs[i] for i in idx], bucket_mb, cast, reduce_dtype)
-    if tr.uneven:
-        # Ranks hold blocks of different shapes, so Python code on shapes may build different
-        # graphs on different ranks, and the ready order with them: launch every bucket at the
-        # boundary, in input order (the same on every rank).
-        state.early = False
     got = apply(GradBoundary, state, *[xs[i] for i in idx])
     for k, i in enumerate(idx):
         vis, twin = got[2 * k], got[2 * k + 1]

@@ -89,6 +89,32 @@ def _is_number(x) -> bool:
     return type(x) is int or type(x) is float
 
 
+def _is_tracked_number(x) -> bool:
+    """A Python number that varies over mesh axes (`VaryingInt`, `VaryingFloat`)."""
+    return type(x) is _vma.VaryingInt or type(x) is _vma.VaryingFloat
+
+
+def _psum_number(x, axis, where: str):
+    """``psum`` of a tracked Python number: an all-reduce (of one element) over the axes of
+    ``axis`` it varies over, times the sizes of those it does not; tracked over the rest."""
+    tr = _vma.current(where)
+    g = tr.mesh.axis_group(axis, where)
+    bits = tr.mesh.bits(g.names)
+    v = _vma._scan(x, tr.id)
+    value = _vma.plain(x)
+    vary = bits & v
+    if vary:
+        ga = tr.mesh.axis_group(tr.mesh.names_of(vary), where)
+        with untracked():
+            dtype = torch.int64 if isinstance(value, int) else torch.float64
+            t = torch.tensor(value, dtype=dtype, device=tr.mesh.device)
+            value = _comm.all_reduce(t, ga).item()
+    inv = bits & ~v
+    if inv:
+        value = value * math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv))
+    return _vma._varying_scalar(value, tr.id, v & ~bits), g.size
+
+
 def _axis_name_alias(fn):
     """Accept JAX's keyword ``axis_name=`` for the mesh axis (``axis``), given once."""
     name = fn.__name__
@@ -254,15 +280,20 @@ def psum(x: _T, axis) -> _T:
         ... def matmul(a, b):
         ...     return fs.psum(a @ b, "tp")
 
-    ``x`` may be a pytree of tensors: the leaves of one dtype go in one all-reduce. A Python
-    number is the same on every rank: ``fs.psum(1, "dp")`` is the size of ``dp``, as in JAX.
+    ``x`` may be a pytree of tensors: the leaves of one dtype go in one all-reduce. A plain
+    Python number is the same on every rank: ``fs.psum(1, "dp")`` is the size of ``dp``, as in
+    JAX. A tracked one (`VaryingInt`/`VaryingFloat`: ``t.item()`` of a varying tensor, or the shape
+    of a block in a call with uneven blocks) is summed over the ranks (a one-element all-reduce).
 
     Examples:
         >>> grads = fs.psum({"w": gw, "b": gb}, "dp")   # one all-reduce for both
         >>> n = fs.psum(1, "dp")                        # the axis size, no communication
+        >>> rows = fs.psum(x.shape[0], "dp")            # 10 for 10 rows cut 3, 3, 3, 1 over dp
     """
     if _is_number(x):  # JAX's psum(1, axis): the axis size
         return x * axis_size(axis)
+    if _is_tracked_number(x):  # a per-rank number (x.item(), a shape of uneven blocks): summed
+        return _psum_number(x, axis, "psum")[0]
     if not isinstance(x, torch.Tensor):
         return _psum_tree(x, axis, "psum")
     tr, g, bits, v = _prologue(x, axis, "psum")
@@ -309,6 +340,9 @@ def pmean(x: _T, axis) -> _T:
     if _is_number(x):  # the same number on every rank
         axis_size(axis)  # checks the axis
         return x
+    if _is_tracked_number(x):
+        total, n = _psum_number(x, axis, "pmean")
+        return total / n
     if not isinstance(x, torch.Tensor):
         return _pmean_tree(x, axis)
     _, g, _, _ = _prologue(x, axis, "pmean")

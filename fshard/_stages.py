@@ -524,7 +524,7 @@ def _index_value(index, tr) -> tuple[int, int]:
         with untracked():
             return int(index.item()), bits
     if isinstance(index, int) and not isinstance(index, bool):
-        return int(index), _vma._scan(index, tr.id)
+        return _vma.plain(index), _vma._scan(index, tr.id)
     raise ArgumentError(
         f"fs.switch: index must be an integer scalar (fs.axis_index(...) or an int), got {type(index).__name__}"
     )
@@ -544,8 +544,9 @@ def _tag_outputs(out, tr, bits: int):
             with untracked():
                 v = x.view_as(x)
             return _vma.tag(v, tr, have | bits)
-        if isinstance(x, (int, float)) and not isinstance(x, bool):
-            base = int(x) if isinstance(x, int) else float(x)
+        if isinstance(x, (int, float, _vma.VaryingFloat)) and not isinstance(x, bool):
+            base = _vma.plain(x)
+            base = int(base) if isinstance(base, int) else float(base)
             return _vma._varying_scalar(base, tr.id, bits | _vma._scan(x, tr.id))
         return x
 
