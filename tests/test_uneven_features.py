@@ -1,5 +1,10 @@
 """Features on uneven blocks (torch.chunk's cut) and data-dependent shapes, on real gloo ranks.
 
+- ``fs.fsdp_scan`` over layers whose parameters ``fs.shard`` cut unevenly (blocks of 3 and 2,
+  of 3, 3, 3 and 0, of 2, 2, 2, 2, 1, 0, 0, 0), listed and stacked: a residual MLP's loss and
+  gradients against one process on dp = 2, 4, 8 and dp x tp, next to per-leaf
+  ``fs.all_gather`` (sync and async) and the even case; the same collectives as the even case
+  but for the small all-gathers of block shapes, and the next layer's gather still prefetched.
 - ``async_op=True`` all_gather and psum_scatter accept exactly the blocks the synchronous forms
   accept (uneven 10 over 4, empty blocks 3 over 4, on 1- and 2-axis meshes): values and
   gradients of both against one process, and the same collectives.
@@ -11,6 +16,7 @@ import pytest
 import torch
 
 import fshard as fs
+from fshard import _comm
 from tests.conftest import run_ranks
 from tests.helpers import assert_ok, close, randn
 
@@ -77,3 +83,183 @@ def _rank_async_uneven(rows):
 @pytest.mark.parametrize("rows", [10, 3])  # 3, 3, 3, 1 (or 3, 2, 3, 2) rows; 1, 1, 1, 0 rows
 def test_async_uneven(rows):
     assert_ok(run_ranks(4, _rank_async_uneven, rows))
+
+
+# =============================================================================================
+# fs.fsdp_scan (and per-leaf all_gather) over uneven blocks: {even, uneven} x {prefetched scan,
+# scan, sync all_gather, async all_gather} x {1-, 2-axis mesh}
+
+L = 3
+AG, RS = ("all_gather", ("dp",)), ("reduce_scatter", ("dp",))
+DIMS_OF = {"w1": 0, "b1": 0, "w2": 1}
+
+
+def _specs(kind):
+    if kind == "1-axis":
+        return {"w1": "(dp d) f", "b1": "(dp f)", "w2": "f (dp d)"}
+    return {"w1": "(dp d) (tp f)", "b1": "(tp f)", "w2": "(tp f) (dp d)"}
+
+
+def _mlp(p, h, psum):
+    return h + psum(torch.tanh(h @ p["w1"] + p["b1"]) @ p["w2"])
+
+
+def _mlp_params(d, ff):
+    return [
+        {
+            "w1": randn(20 + i, d, ff, dtype=F64) * 0.5,
+            "b1": randn(30 + i, ff, dtype=F64) * 0.1,
+            "w2": randn(40 + i, ff, d, dtype=F64) * 0.5,
+        }
+        for i in range(L)
+    ]
+
+
+def _shape_checks_apart():
+    """Keep the small all-gathers of block shapes (`_comm.gather_shapes`) out of the counts, in
+    a list of their own, so that the rest can be compared with the even case."""
+    checks: list = []
+    orig = _comm.gather_shapes
+
+    def counted(xs, g, device=None):
+        before = [len(r.records) for r in _comm._recorders]
+        out = orig(xs, g, device)
+        for r, b in zip(_comm._recorders, before):
+            checks.extend(r.records[b:])
+            del r.records[b:]
+        return out
+
+    _comm.gather_shapes = counted
+    return checks
+
+
+def _rank_fsdp_uneven(kind, forms):
+    errs: list[str] = []
+    checks = _shape_checks_apart()
+    if kind == "1-axis":
+        mesh = fs.Mesh(dp=torch.distributed.get_world_size())
+        psum = lambda t: t  # noqa: E731
+    else:
+        mesh = fs.Mesh(dp=2, tp=2)
+        psum = lambda t: fs.psum(t, "tp")  # noqa: E731
+    specs = _specs(kind)
+    dims = {k: (None if "dp" not in s else DIMS_OF[k]) for k, s in specs.items()}
+    counts: dict = {}
+    for even in (True, False):
+        d, ff, b = (8, 8, 8) if even else (5, 9, 6)
+        ps, X = _mlp_params(d, ff), randn(9, b, d, dtype=F64)
+        ref = [{k: v.clone().requires_grad_(True) for k, v in p.items()} for p in ps]
+        h = X
+        for p in ref:
+            h = _mlp(p, h, lambda t: t)
+        want = h.pow(2).sum() / h.numel()
+        want.backward()
+        for how in forms:
+            where = f"{kind} dp={mesh.axis_size('dp')} {'even' if even else 'uneven'} {how}"
+            starts: list[int] = []
+
+            def layer(p, h, starts=starts):
+                starts.append(fwd.by_kind()[AG])  # dp all-gathers issued when the layer starts
+                return _mlp(p, h, psum)
+
+            def f(params, x, how=how, size=b * d, layer=layer):
+                if how.startswith("scan"):
+                    h = fs.fsdp_scan(layer, params, x, "dp", dims=dims, prefetch=how != "scan")
+                else:
+                    h = x
+                    for p in params:
+                        got = {
+                            k: fs.all_gather(v, "dp", dims[k], tiled=True, async_op=how == "async")
+                            if dims[k] is not None
+                            else v
+                            for k, v in p.items()
+                        }
+                        if how == "async":
+                            got = {k: v.wait() if isinstance(v, fs.Pending) else v for k, v in got.items()}
+                        h = layer(got, h)
+                return fs.psum(h.pow(2).sum(), "dp") / size
+
+            stacked = how == "scan-prefetch, stacked"
+            if stacked:
+                lspecs = {k: "l " + s for k, s in specs.items()}
+                params = {
+                    k: fs.shard(torch.stack([p[k] for p in ps]), mesh, lspecs[k]).requires_grad_(True)
+                    for k in specs
+                }
+                in_specs = (lspecs, "(dp b) d")
+            else:
+                params = [
+                    {k: fs.shard(v, mesh, specs[k]).requires_grad_(True) for k, v in p.items()} for p in ps
+                ]
+                in_specs = ([specs] * L, "(dp b) d")
+            step = fs.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs="")
+            del checks[:]
+            with fs.count_collectives() as fwd:
+                loss = step(params, X)
+            with fs.count_collectives() as bwd:
+                loss.backward()
+            close(errs, f"{where}: loss", loss, want, F64)
+            for i in range(L):
+                for k in specs:
+                    got = params[k].grad.full()[i] if stacked else params[i][k].grad.full()
+                    close(errs, f"{where}: grad of layer {i} {k}", got, ref[i][k].grad, F64)
+            counts[even, how] = (dict(fwd.by_kind()), dict(bwd.by_kind()))
+            if even and checks:
+                errs.append(f"{where}: shapes compared in an even call: {checks}")
+            if not even:
+                if counts[even, how] != counts[True, how]:
+                    errs.append(f"{where}: collectives {counts[even, how]} != even {counts[True, how]}")
+            if how.startswith("scan"):
+                ahead = 1 if "prefetch" in how else 0
+                want_starts = [min(i + 1 + ahead, L) for i in range(L)]
+                if starts != want_starts:
+                    errs.append(
+                        f"{where}: dp all-gathers issued when each layer starts {starts}, want {want_starts}"
+                    )
+                if (
+                    counts[even, how][0][AG] != L
+                    or counts[even, how][1][AG] != L
+                    or counts[even, how][1][RS] != L
+                ):
+                    errs.append(
+                        f"{where}: dp collectives {counts[even, how]}, want {L} all-gathers each way, {L} reduce-scatters"
+                    )
+    return errs
+
+
+@pytest.mark.parametrize(
+    ("world", "kind", "forms"),
+    [
+        (2, "1-axis", ("scan-prefetch", "sync")),
+        (4, "1-axis", ("scan-prefetch", "scan", "scan-prefetch, stacked", "sync", "async")),
+        (8, "1-axis", ("scan-prefetch", "scan-prefetch, stacked")),
+        (4, "2-axis", ("scan-prefetch", "scan", "sync", "async")),
+    ],
+)
+def test_fsdp_scan_uneven(world, kind, forms):
+    assert_ok(run_ranks(world, _rank_fsdp_uneven, kind, forms))
+
+
+def _rank_fsdp_blocks_error():
+    mesh = fs.Mesh(dp=4)
+
+    def f(layers, x):
+        try:  # w is split along dim 1 (3, 3, 3, 1 columns), but dims says dim 0
+            fs.fsdp_scan(lambda p, h: h, layers, x, "dp", dims={"w": 0})
+        except fs.ArgumentError as e:
+            return str(e)
+        return None
+
+    return fs.shard_map(f, mesh=mesh, in_specs=([{"w": "d (dp f)"}], "(dp b) d"), out_specs=None)(
+        [{"w": torch.ones(3, 10)}], torch.ones(10, 3)
+    )
+
+
+def test_fsdp_scan_blocks_differ_elsewhere():
+    want = (
+        "fs.fsdp_scan: layers[0]['w'] has blocks of different shapes on the ranks of dp (index 0: (3, 3); "
+        "index 1: (3, 3); index 2: (3, 3); index 3: (3, 1)) beyond its split dim 0, so they are not the "
+        "blocks of one parameter gathered along dim 0; store it split along that one dim over dp (as "
+        "fs.shard cuts it), or give its dims entry as None"
+    )
+    assert run_ranks(4, _rank_fsdp_blocks_error) == [want] * 4
