@@ -5,6 +5,11 @@
   gradients against one process on dp = 2, 4, 8 and dp x tp, next to per-leaf
   ``fs.all_gather`` (sync and async) and the even case; the same collectives as the even case
   but for the small all-gathers of block shapes, and the next layer's gather still prefetched.
+- Data-dependent shapes (``x[mask]``, ``masked_select``, ``nonzero``, ``unique``, one-argument
+  ``torch.where``, ``repeat_interleave``) on varying values: blocks that are torch.chunk's cut
+  stitch to the right global rows (``.full()``, ``.reshard()``, another shard_map, gradients),
+  others raise one SpecError on every rank (bounded in time), and calls without them
+  communicate nothing.
 - ``async_op=True`` all_gather and psum_scatter accept exactly the blocks the synchronous forms
   accept (uneven 10 over 4, empty blocks 3 over 4, on 1- and 2-axis meshes): values and
   gradients of both against one process, and the same collectives.
@@ -263,3 +268,103 @@ def test_fsdp_scan_blocks_differ_elsewhere():
         "fs.shard cuts it), or give its dims entry as None"
     )
     assert run_ranks(4, _rank_fsdp_blocks_error) == [want] * 4
+
+
+# =============================================================================================
+# Data-dependent output shapes
+
+
+def _rank_ragged():
+    import time
+
+    mesh = fs.Mesh(dp=2)
+    r = torch.distributed.get_rank()
+    errs: list[str] = []
+    X = randn(3, 8, 2, dtype=F64)
+
+    @fs.shard_map(mesh=mesh, in_specs=("(dp b) d", "(dp b)"), out_specs=("(dp b) d", "(dp n)", "(dp u)"))
+    def pick(x, m):
+        y = x[m]
+        return y, torch.nonzero(m).squeeze(1) + 4 * fs.axis_index("dp"), torch.unique(m.long())
+
+    # 3 and 2 rows: torch.chunk's cut of 5 rows; 3 and 2 indices; 2 and 2 unique values
+    M = torch.tensor([1, 1, 0, 1, 0, 1, 1, 0], dtype=torch.bool)
+    x = X.clone().requires_grad_(True)
+    with fs.count_collectives() as counts:
+        y, idx, uniq = pick(x, M)
+    if tuple(y.shape) != (5, 2) or tuple(idx.shape) != (5,) or tuple(uniq.shape) != (4,):
+        errs.append(f"shapes {tuple(y.shape)}, {tuple(idx.shape)}, {tuple(uniq.shape)}")
+    close(errs, "x[m] full", y.full(), X[M], F64)
+    if not torch.equal(idx.full(), torch.nonzero(M).squeeze(1)) or uniq.full().tolist() != [0, 1, 0, 1]:
+        errs.append(f"nonzero {idx.full().tolist()}, unique {uniq.full().tolist()}")
+    if dict(counts.by_kind()) != {("all_gather", ("dp",)): 3}:  # the three outputs' block shapes
+        errs.append(f"collectives {counts}")
+    close(errs, "reshard", y.reshard("b (dp d)").full(), X[M], F64)
+
+    @fs.shard_map(mesh=mesh, in_specs="(dp b) d", out_specs="")
+    def loss(y):
+        return fs.psum((y**2).sum(), "dp")
+
+    total = loss(y)  # the ragged Sharded passed on to another shard_map
+    total.backward()
+    close(errs, "loss of the picked rows", total, (X[M] ** 2).sum(), F64)
+    close(errs, "grad through x[m]", x.grad, 2 * X * M[:, None], F64)
+
+    # masked_select, torch.where(cond) and repeat_interleave with tensor repeats
+    @fs.shard_map(mesh=mesh, in_specs=("(dp b) d", "(dp b)"), out_specs=("(dp n)", "(dp n)", "(dp n) d"))
+    def more(x, m):
+        rows = torch.where(m)[0]
+        return torch.masked_select(x[:, 0], m), rows * 1.0, x.repeat_interleave(m.long() + 1, dim=0)
+
+    a, b, c = more(X, M)
+    close(errs, "masked_select", a.full(), X[M, 0], F64)
+    if b.full().tolist() != torch.cat([torch.where(p)[0] for p in M.chunk(2)]).tolist():  # local row indices
+        errs.append(f"torch.where(m) {b.full().tolist()}")
+    close(errs, "repeat_interleave", c.full(), X.repeat_interleave(M.long() + 1, dim=0), F64)
+
+    # zero communication: an even call without data-dependent ops, or whose masks are invariant
+    @fs.shard_map(mesh=mesh, in_specs=("(dp b) d", "d"), out_specs="(dp b) k")
+    def invariant_mask(x, keep):
+        return x[:, keep] * 2
+
+    with fs.count_collectives() as counts:
+        z = invariant_mask(X, torch.tensor([False, True]))
+    if counts.total:
+        errs.append(f"collectives with an invariant mask: {counts}")
+    close(errs, "invariant mask", z.full(), X[:, [1]] * 2, F64)
+
+    # a mask inside one branch of fs.switch: the other ranks know nothing of it, so the call does
+    # not turn uneven (a psum after it would otherwise compare shapes on one rank only and hang)
+    @fs.shard_map(mesh=mesh, in_specs="(dp b) d", out_specs="d")
+    def branch(x):
+        picked = fs.switch(fs.axis_index("dp"), [lambda x: x[x[:, 0] > 0].sum(0), lambda x: x.sum(0)], x)
+        return fs.psum(picked, "dp")
+
+    first, second = X.chunk(2)
+    close(errs, "switch", branch(X), first[first[:, 0] > 0].sum(0) + second.sum(0), F64)
+
+    # 3 rows and 1 row: not torch.chunk's cut of 4 rows (2, 2)
+    bad = torch.tensor([1, 1, 1, 0, 0, 0, 1, 0], dtype=torch.bool)
+    t0 = time.monotonic()
+    msg = None
+    try:
+        pick(X, bad)
+        errs.append("3 and 1 rows did not raise")
+    except fs.SpecError as e:
+        msg = str(e)
+    if time.monotonic() - t0 > 20:
+        errs.append(f"the error took {time.monotonic() - t0:.1f} s")
+    return errs, msg, r
+
+
+def test_data_dependent_shapes():
+    got = run_ranks(2, _rank_ragged, timeout=60)
+    assert_ok([e for e, _, _ in got])
+    want = (
+        "fs.shard_map(_rank_ragged.<locals>.pick): output out[0] has blocks whose shapes depend on the data (rank 0: (3, 2); "
+        "rank 1: (1, 2)), and they are not the blocks torch.chunk cuts for out_spec '(dp b) d', so they make "
+        "no global value (an op in f such as x[mask], nonzero or unique gave each rank its own size); return "
+        "a block padded to a fixed size with the count of its valid rows, or gather the blocks inside f with "
+        "fs.all_gather(y, 'dp', dim=0, tiled=True, invariant=True) and return that with a replicated out_spec"
+    )
+    assert [m for _, m, _ in got] == [want] * 2
