@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -120,6 +122,7 @@ def _mlp_params(d, ff):
     ]
 
 
+@contextlib.contextmanager
 def _shape_checks_apart():
     """Keep the small all-gathers of block shapes (`_comm.gather_shapes`) out of the counts, in
     a list of their own, so that the rest can be compared with the even case."""
@@ -135,12 +138,19 @@ def _shape_checks_apart():
         return out
 
     _comm.gather_shapes = counted
-    return checks
+    try:
+        yield checks
+    finally:
+        _comm.gather_shapes = orig
 
 
 def _rank_fsdp_uneven(kind, forms):
+    with _shape_checks_apart() as checks:
+        return _fsdp_uneven(kind, forms, checks)
+
+
+def _fsdp_uneven(kind, forms, checks):
     errs: list[str] = []
-    checks = _shape_checks_apart()
     if kind == "1-axis":
         mesh = fs.Mesh(dp=torch.distributed.get_world_size())
         psum = lambda t: t  # noqa: E731
