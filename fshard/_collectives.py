@@ -56,6 +56,8 @@ from ._primitives import (
     ReduceScatter,
     ReduceScatterCoalesced,
     ReduceScatterDone,
+    gather_operand,
+    split_blocks,
 )
 from ._primitives import apply as _apply
 
@@ -212,9 +214,9 @@ def _tree_prologue(tree, axis, where: str):
     return tr, g, tr.mesh.bits(g.names), leaves, treedef
 
 
-def _uneven_tiling(x, g, dim: int, tiled: bool, async_op: bool):
+def _uneven_tiling(x, g, dim: int, tiled: bool):
     """``tiled`` for an all_gather in a call with uneven blocks: the block lengths along ``dim``
-    when the ranks' blocks differ only there (tiled, synchronous), else ``tiled`` or an error."""
+    when the ranks' blocks differ only there (tiled), else ``tiled`` or an error."""
     shapes = _shapes([x], g)
     if shapes is None:
         return tiled
@@ -222,7 +224,7 @@ def _uneven_tiling(x, g, dim: int, tiled: bool, async_op: bool):
         len(s[0]) == x.dim() and s[0][:dim] + s[0][dim + 1 :] == x.shape[:dim] + x.shape[dim + 1 :]
         for s in shapes
     )
-    if tiled and same_rest and not async_op:
+    if tiled and same_rest:
         return tuple(s[0][dim] for s in shapes)
     _same_shapes(shapes, g, "all_gather")
     return tiled
@@ -433,14 +435,14 @@ def all_gather(
     dim = _norm_dim(dim, ndim, "all_gather")
     x = _vary(x, tr, v, bits)
     if tr.uneven and g.size > 1:
-        tiled = _uneven_tiling(x, g, dim, tiled, async_op)
+        tiled = _uneven_tiling(x, g, dim, tiled)
     if async_op:
         if invariant:
             raise CollectiveError(
                 "fs.all_gather: async_op=True is not supported with invariant=True; gather "
                 "asynchronously without it, or synchronously with invariant=True"
             )
-        handle = _comm.all_gather_start(cast(torch.Tensor, x), g)
+        handle = _comm.all_gather_start(gather_operand(cast(torch.Tensor, x), dim, tiled), g)
 
         def done():
             y = _vma.tag(_apply(AllGatherDone, x, g, dim, tiled, handle), tr, v | bits)
@@ -515,7 +517,7 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
         _no_async_tree(async_op, "psum_scatter")
         return _psum_scatter_tree(x, axis, dim, tiled)
     tr, g, bits, v = _prologue(x, axis, "psum_scatter")
-    dim = _check_scatter(x, g, dim, tiled, "psum_scatter", uneven=not async_op)
+    dim = _check_scatter(x, g, dim, tiled, "psum_scatter", uneven=True)
     x = _vary(x, tr, v, bits)
     size = cast(torch.Tensor, x).shape[dim]
     tiling: bool | tuple[int, ...] = tiled
@@ -523,8 +525,6 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
         tiling = chunk_sizes(size, [g.size])
         tr.uneven = True
     if async_op:
-        from ._primitives import split_blocks
-
         handle = _comm.reduce_scatter_start(split_blocks(cast(torch.Tensor, x), g.size, dim, tiling), g)
         return Pending(lambda: _vma.tag(_apply(ReduceScatterDone, x, g, dim, tiling, handle), tr, v | bits))
     return _vma.tag(_apply(ReduceScatter, x, g, dim, tiling), tr, v | bits)

@@ -24,7 +24,7 @@ from ._collectives import _by_dtype, _vary
 from ._comm import untracked
 from ._errors import ArgumentError
 from ._mesh import AxisGroup
-from ._primitives import ReduceScatterCoalesced, _pack, _untracked, apply, unpack_gathered
+from ._primitives import ReduceScatterCoalesced, _pack, _untracked, apply, split_blocks, unpack_gathered
 from ._spec import parse_spec
 
 __all__ = ["fsdp_scan"]
@@ -60,6 +60,11 @@ def fsdp_scan(
     gradients leave in one reduce-scatter per dtype. Activations are kept for the backward as
     usual. ``prefetch=False`` gathers each layer when it is reached instead.
 
+    The blocks may be uneven, as `fs.shard` cuts a dim the axis size does not divide (10 rows
+    over 4 ranks: 3, 3, 3 and 1; empty blocks where there are more ranks than rows): they travel
+    padded to the longest block and are cut back, and so do their gradients; the scan then
+    first compares its leaves' block shapes across ``axis`` (one small all-gather per call).
+
     Examples:
         >>> @fs.shard_map(mesh=mesh, in_specs=(specs, "(dp b) d"), out_specs="")
         ... def loss_fn(params, x):   # specs["blocks"]: one {"w": "(dp d) f", "b": "(dp f)"} per layer
@@ -79,9 +84,11 @@ def fsdp_scan(
             h = layer_fn(layer(), h)
         return h
     bits = tr.mesh.bits(g.names)
+    # uneven blocks (torch.chunk's cut) travel padded to the longest and are cut back
+    lens = _block_lengths(items, per_layer, stacked, g) if tr.uneven else [[None] * len(d) for d in per_layer]
     states: list[_Layer] = []
-    for get, ldims in zip(items, per_layer):
-        states.append(_Layer(get, ldims, g, tr, bits, states[-1] if states else None, prefetch))
+    for get, ldims, llens in zip(items, per_layer, lens):
+        states.append(_Layer(get, ldims, llens, g, tr, bits, states[-1] if states else None, prefetch))
     pending: list | None = states[0].start()
     for i, st in enumerate(states):
         gathered = st.finish(pending or [])
@@ -221,11 +228,86 @@ def _dim_from_spec(spec: str, x, path: str, g: AxisGroup, mesh_axes, stacked: bo
     return i % x.dim()
 
 
+def _block_lengths(items, per_layer, stacked: bool, g: AxisGroup) -> list[list]:
+    """In a call with uneven blocks: for each layer, each split leaf's block length along its
+    gather dim at every index of the axis, or None where they agree (one small all-gather of
+    the shapes, for the whole scan). Blocks that differ elsewhere raise on every rank alike."""
+    layers = items[:1] if stacked else items  # stacked layers share their shapes
+    xs, where = [], []
+    for i, get in enumerate(layers):
+        one = get()
+        leaves = optree.tree_leaves(one, none_is_leaf=True)
+        acc = optree.tree_flatten_with_accessor(one, none_is_leaf=True)[0]
+        for j, d in enumerate(per_layer[i]):
+            if d is not None:
+                xs.append(leaves[j])
+                where.append((i, j, d, acc[j].codify("layers" if stacked else f"layers[{i}]")))
+    out: list[list] = [[None] * len(ds) for ds in per_layer]
+    if not xs:
+        return out
+    shapes = _comm.gather_shapes(xs, g)  # shapes[index][k]
+    for k, (i, j, d, path) in enumerate(where):
+        got = [s[k] for s in shapes]
+        rest = [s[:d] + s[d + 1 :] for s in got]
+        if any(len(s) != len(got[0]) or r != rest[0] for s, r in zip(got, rest)):
+            held = "; ".join(f"index {r}: {s}" for r, s in enumerate(got))
+            ax = " ".join(g.names)
+            raise ArgumentError(
+                f"fs.fsdp_scan: {path} has blocks of different shapes on the ranks of {ax} ({held}) beyond its "
+                f"split dim {d}, so they are not the blocks of one parameter gathered along dim {d}; store it "
+                f"split along that one dim over {ax} (as fs.shard cuts it), or give its dims entry as None"
+            )
+        lengths = tuple(s[d] for s in got)
+        if len(set(lengths)) > 1:
+            out[i][j] = lengths
+    return [out[0]] * len(items) if stacked else out
+
+
+def _padded(x: torch.Tensor, dim: int, lens) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to the longest block (as it travels in the all-gather)."""
+    if lens is None or x.shape[dim] == max(lens):
+        return x
+    shape = list(x.shape)
+    shape[dim] = max(lens)
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return out
+
+
+def _gathered_leaves(blocks: torch.Tensor, xs, dims, lens) -> list:
+    """The gathered ``[N, total]`` rows of a layer's packed (padded) leaves, each concatenated
+    along its dim, the padding of uneven blocks cut off."""
+    shapes = []
+    for x, d, ln in zip(xs, dims, lens):
+        shape = list(x.shape)
+        if ln is not None:
+            shape[d] = max(ln)
+        shapes.append(shape)
+    ys = unpack_gathered(blocks, shapes, dims, True)
+    for k, (y, d, ln) in enumerate(zip(ys, dims, lens)):
+        if ln is not None:
+            ys[k] = torch.cat([p.narrow(d, 0, n) for p, n in zip(y.split(max(ln), d), ln)], d)
+    return ys
+
+
+def _spread(ct: torch.Tensor, g: AxisGroup, dim: int, lens) -> torch.Tensor:
+    """A gathered leaf's cotangent with each index's block padded to the longest (the even layout
+    the reduce-scatter cuts)."""
+    if lens is None:
+        return ct
+    blocks = split_blocks(ct, g.size, dim, lens)  # [N, *padded block]
+    shape = list(blocks.shape[1:])
+    shape[dim] *= g.size
+    return blocks.movedim(0, dim).reshape(shape)
+
+
 class _Layer:
     """One layer's gather: its split leaves, their dims and the state of its gathers."""
 
-    def __init__(self, get, dims, g: AxisGroup, tr, bits: int, prev, prefetch: bool):
+    def __init__(self, get, dims, lens, g: AxisGroup, tr, bits: int, prev, prefetch: bool):
         self.get, self.dims, self.g, self.tr, self.bits = get, dims, g, tr, bits
+        self.all_lens = lens  # per leaf: block lengths at each index (uneven), or None
+        self.lens: list = []  # of them, those of the split leaves
         self.prev = prev  # the layer before: its gather starts while this one's backward runs
         self.prefetch = prefetch
         self.tree: tuple | None = None  # (leaves, treedef) between start and run
@@ -244,13 +326,19 @@ class _Layer:
         self.tree = (leaves, treedef)
         tr, bits = self.tr, self.bits
         self.idx = [j for j, d in enumerate(self.dims) if d is not None]
+        self.lens = [self.all_lens[j] for j in self.idx]
         self.xs = [_vary(leaves[j], tr, _vma.get(leaves[j], tr), bits) for j in self.idx]
         self.groups = list(_by_dtype(self.xs, range(len(self.xs))).values())
         return self._start_all()
 
     def _start_all(self) -> list:
         with untracked(), torch.no_grad():
-            return [_comm.all_gather_start(_pack([self.xs[k] for k in grp]), self.g) for grp in self.groups]
+            return [
+                _comm.all_gather_start(
+                    _pack([_padded(self.xs[k], self.dims[self.idx[k]], self.lens[k]) for k in grp]), self.g
+                )
+                for grp in self.groups
+            ]
 
     def finish(self, handles) -> list:
         """The gathered leaves (differentiable: their gradient is one reduce-scatter per dtype)."""
@@ -258,7 +346,8 @@ class _Layer:
         tr, bits = self.tr, self.bits
         for grp, handle in zip(self.groups, handles):
             dims = tuple(self.dims[self.idx[k]] for k in grp)
-            ys = apply(_Gathered, self.g, dims, handle, *[self.xs[k] for k in grp])
+            lens = tuple(self.lens[k] for k in grp)
+            ys = apply(_Gathered, self.g, dims, lens, handle, *[self.xs[k] for k in grp])
             for k, y in zip(grp, ys):
                 _vma.tag(y, tr, _vma.get(self.xs[k], tr) | bits)
                 y._fshard_gathered = self.g.names
@@ -325,9 +414,10 @@ class _Layer:
         out: list = [None] * len(self.xs)
         with untracked(), torch.no_grad():
             for grp, handle in zip(self.groups, handles):
-                shapes = [self.xs[k].shape for k in grp]
+                xs = [self.xs[k] for k in grp]
                 dims = [self.dims[self.idx[k]] for k in grp]
-                for k, y in zip(grp, unpack_gathered(handle.wait(), shapes, dims, True)):
+                lens = [self.lens[k] for k in grp]
+                for k, y in zip(grp, _gathered_leaves(handle.wait(), xs, dims, lens)):
                     out[k] = y
         return out
 
@@ -364,15 +454,18 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     @_untracked
-    def forward(g, dims, handle, *xs):
-        return tuple(unpack_gathered(handle.wait(), [x.shape for x in xs], dims, True))
+    def forward(g, dims, lens, handle, *xs):
+        return tuple(_gathered_leaves(handle.wait(), xs, dims, lens))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.args = inputs[:2]
+        ctx.args = inputs[:3]
 
     @staticmethod
     @_untracked
     def backward(ctx, *cts):
-        g, dims = ctx.args
-        return (None, None, None, *apply(ReduceScatterCoalesced, g, dims, True, *cts))
+        g, dims, lens = ctx.args
+        padded = [_spread(ct, g, d, ln) for ct, d, ln in zip(cts, dims, lens)]
+        grads = apply(ReduceScatterCoalesced, g, dims, True, *padded)
+        mine = tuple(y if ln is None else y.narrow(d, 0, ln[g.index]) for y, d, ln in zip(grads, dims, lens))
+        return (None, None, None, None, *mine)

@@ -64,8 +64,10 @@ __all__ = [
     "ReduceScatterDone",
     "split_blocks",
     "gather_dim",
+    "gather_operand",
     "unpack_gathered",
     "scatter_dim",
+    "scattered_block",
     "local_block",
     "a2a_dim",
 ]
@@ -117,11 +119,12 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 def gather_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     """All-gather ``x`` along ``dim``: stacked in a new dim, or concatenated when ``tiled``."""
-    if type(tiled) is tuple:
-        m = max(tiled)
-        blocks = _comm.all_gather_blocks(_pad(x, dim, m), g)  # [N, *padded block]
-        return torch.cat([blocks[i].narrow(dim, 0, n) for i, n in enumerate(tiled)], dim)
-    return _arrange(_comm.all_gather_blocks(x, g), x.shape, g.size, dim, tiled)
+    return _arrange(_comm.all_gather_blocks(gather_operand(x, dim, tiled), g), x.shape, g.size, dim, tiled)
+
+
+def gather_operand(x: torch.Tensor, dim: int, tiled) -> torch.Tensor:
+    """What each rank hands to the all-gather: ``x``, padded to the longest block when uneven."""
+    return _pad(x, dim, max(tiled)) if type(tiled) is tuple else x
 
 
 def _pad(x: torch.Tensor, dim: int, m: int) -> torch.Tensor:
@@ -135,8 +138,11 @@ def _pad(x: torch.Tensor, dim: int, m: int) -> torch.Tensor:
     return out
 
 
-def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled: bool) -> torch.Tensor:
-    """Gathered ``[N, *shape]`` blocks as the all_gather result along ``dim``."""
+def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled) -> torch.Tensor:
+    """Gathered ``[N, *shape]`` blocks (padded to the longest when uneven) as the all_gather
+    result along ``dim``."""
+    if type(tiled) is tuple:
+        return torch.cat([blocks[i].narrow(dim, 0, k) for i, k in enumerate(tiled)], dim)
     if not tiled:
         return _owned(blocks.movedim(0, dim))
     out = list(shape)
@@ -158,7 +164,11 @@ def split_blocks(x: torch.Tensor, n: int, dim: int, tiled) -> torch.Tensor:
 
 def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     """Reduce-scatter ``x`` along ``dim`` (removed, or shrunk by the group size when ``tiled``)."""
-    out = _comm.reduce_scatter_blocks(split_blocks(x, g.size, dim, tiled), g)
+    return scattered_block(_comm.reduce_scatter_blocks(split_blocks(x, g.size, dim, tiled), g), g, dim, tiled)
+
+
+def scattered_block(out: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
+    """A reduce-scatter's block of `split_blocks` as the psum_scatter result (trimmed when uneven)."""
     if type(tiled) is tuple and out.shape[dim] != tiled[g.index]:
         return out.narrow(dim, 0, tiled[g.index]).clone()
     return _owned(out)
@@ -532,7 +542,7 @@ class ReduceScatterDone(torch.autograd.Function):
     @staticmethod
     @_untracked
     def forward(x, g, dim, tiled, handle):
-        return _owned(handle.wait())
+        return scattered_block(handle.wait(), g, dim, tiled)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -290,7 +290,7 @@ class _ShardMapped:
                 out_leaves = [_vary_out(x, p, tr) for x, p in zip(out_leaves, oplans)]
         done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
         if tr.uneven or out_uneven:  # (tr.uneven: also set by f's own collectives)
-            _global_shapes(done, oplans, mesh, label_sizes)
+            _global_shapes(done, oplans, mesh, label_sizes, tr.ragged, self.name)
         return optree.tree_unflatten(out_treedef, done)
 
     # == planning ===========================================================================
@@ -598,18 +598,27 @@ def _finish(x, p: _OutPlan, mesh):
     return Sharded._wrap(x, mesh, p.layout)
 
 
-def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict) -> None:
+def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict, ragged: bool, name: str) -> None:
     """Give each Sharded output of a call with uneven blocks its global shape.
 
     A split dim's global size is its label's size among the inputs, or the size a reduce-scatter
     cut; for any other split dim the outputs' block shapes are gathered (one small all-gather
     per such output; which outputs need it depends only on specs and input shapes, so every
-    rank takes the same path).
+    rank takes the same path). In a ``ragged`` call (an op in f whose output shape depends on
+    the data met a varying operand) every split output's block shapes are gathered: blocks that
+    are torch.chunk's cut of a global value make a Sharded of that shape, others raise the same
+    SpecError on every rank.
     """
     for x, p in zip(done, plans):
         if not isinstance(x, Sharded):
             continue
         layout, local = p.layout, x.local
+        if ragged:
+            if any(layout.dims):
+                x._shape = _global_shape_of_blocks(
+                    local, mesh, layout, functools.partial(_ragged_error, name, p)
+                )
+            continue
         cut = {d: (t, g.size) for d, g, t in p.scatter if len(layout.dims[d]) == len(g.names)}
         shape: list[int] = []
         for d, axes in enumerate(layout.dims):
@@ -635,6 +644,20 @@ def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict) -> None:
                 f"another label"
             )
         x._shape = torch.Size(shape)
+
+
+def _ragged_error(name: str, p, held: str) -> SpecError:
+    split = [d for d, axes in enumerate(p.layout.dims) if axes]
+    axes = [a for d in split for a in p.layout.dims[d]]
+    ax = axes[0] if len(axes) == 1 else "(" + " ".join(axes) + ")"
+    return SpecError(
+        f"fs.shard_map({name}): output {p.path} has blocks whose shapes depend on the data ({held}), and they "
+        f"are not the blocks torch.chunk cuts for out_spec {p.spec!r}, so they make no global value (an op in f "
+        f"such as x[mask], nonzero or unique gave each rank its own size); return a block padded to a fixed size "
+        f"with the count of its valid rows, or gather the blocks inside f with "
+        f"fs.all_gather(y, {ax!r}, dim={split[0]}, tiled=True, invariant=True) and return that with a replicated "
+        f"out_spec"
+    )
 
 
 # == helpers ==============================================================================

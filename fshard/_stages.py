@@ -483,8 +483,10 @@ def switch(index, branches, *operands):
             flat[k] = _vma.tag(v, tr, union)
         token = got[-1]
         operands = optree.tree_unflatten(treedef, flat)
+    uneven, ragged = tr.uneven, tr.ragged  # a data-dependent shape in one branch is known to its ranks only
     with _BranchGuard(tr, bits, union, i):
         out = branches[i](*operands)
+    tr.uneven, tr.ragged = uneven, ragged
     leaves, otreedef = optree.tree_flatten(out)
     others = union & ~bits
     for k, x in enumerate(leaves):

@@ -43,7 +43,7 @@ class Trace:
     keep nothing alive after the call.
     """
 
-    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "bucket_mb", "uneven")
+    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "bucket_mb", "uneven", "ragged")
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh
@@ -56,6 +56,9 @@ class Trace:
         self.bucket_mb = 0.0  # the shard_map's bucket size (for value_and_grad inside f)
         # some input has uneven blocks: collectives first check that their operands agree in shape
         self.uneven = False
+        # a varying operand met an op whose output shape depends on the data (x[mask], nonzero,
+        # unique, ...): the outputs' global shapes are found from their gathered block shapes
+        self.ragged = False
 
     def __enter__(self) -> Trace:
         _stack.append(self)
@@ -702,6 +705,8 @@ def _classify(func):
     }.get(func)
     if special is not None:
         return special
+    if func in _data_dependent_ops():
+        return _data_dependent
     name = getattr(func, "__name__", "")
     if name in _RANDOM_OPS:
         return _random
@@ -712,6 +717,74 @@ def _classify(func):
     ):
         return _INPLACE
     return _PLAIN
+
+
+def _data_dependent_ops() -> frozenset:
+    """The ops whose output shape may depend on the values of their operands."""
+    T = _Tensor
+    return frozenset(
+        (
+            T.__getitem__,  # with a boolean mask
+            torch.masked_select,
+            T.masked_select,
+            torch.nonzero,
+            T.nonzero,
+            torch.argwhere,
+            T.argwhere,
+            torch.unique,
+            T.unique,
+            torch.unique_consecutive,
+            T.unique_consecutive,
+            torch.where,  # with one argument
+            torch.repeat_interleave,  # with tensor repeats
+            T.repeat_interleave,
+        )
+    )
+
+
+def _data_dependent(func, tr: Trace, args, kwargs):
+    """An op whose output shape may depend on the data (``x[mask]``, ``nonzero``, ``unique``,
+    one-argument ``torch.where``, ``repeat_interleave`` with tensor repeats): the plain rule, and
+    when an operand varies (so its shape may differ across ranks) the call is marked: later
+    collectives compare operand shapes and the outputs' global shapes are found from their
+    blocks, as for uneven inputs."""
+    union = 0
+    for a in itertools.chain(args, kwargs.values()):
+        union |= _scan(a, tr.id)
+    if union and _shape_bits(func, tr, args, kwargs):
+        tr.uneven = tr.ragged = True
+    if union and torch.is_grad_enabled():
+        args = _cast_args(args, tr, union)
+        if kwargs:
+            kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
+    out = func(*args, **kwargs)
+    if union:
+        _tag_out(out, tr, union)
+    elif tr.twins and isinstance(out, _Tensor) and out.requires_grad:  # w[:s] of an input: as the plain rule
+        _derive_twin(tr, func, args, kwargs, out)
+    return out
+
+
+def _shape_bits(func, tr: Trace, args, kwargs) -> int:
+    """The varying axes of the operands whose values decide the output's shape (0: the shape is
+    the same on every rank whenever the operands' shapes are)."""
+    name = func.__name__
+    if name == "__getitem__":  # the boolean masks in the index
+        idx = args[1] if len(args) > 1 else None
+        items = idx if type(idx) is tuple else (idx,)
+        masks = [
+            i for i in items if isinstance(i, _Tensor) and i.dtype in (torch.bool, torch.uint8) and i.dim()
+        ]
+        return _scan(masks, tr.id)
+    if name == "where":  # torch.where(cond): the indices where cond holds
+        return _scan(args[0], tr.id) if len(args) == 1 and not kwargs else 0
+    if name == "repeat_interleave":  # (input, repeats), or torch.repeat_interleave(repeats)
+        repeats = [*args[1:], kwargs.get("repeats")] if len(args) != 1 or kwargs else list(args)
+        return _scan([r for r in repeats if isinstance(r, _Tensor)], tr.id)
+    if name == "masked_select":  # (input, mask): the mask's true elements
+        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        return _scan(mask, tr.id) if isinstance(mask, _Tensor) else 0
+    return _scan(args[0], tr.id) if args else 0  # nonzero, argwhere, unique*: the input's values
 
 
 def _foreach(func, tr: Trace, args, kwargs):

@@ -602,7 +602,9 @@ def _rank_collective_errors():
         "bad_axis_type": lambda x: fs.psum(x, 3),
         "axis_index_unknown": lambda x: x + fs.axis_index("pd"),
         "not_tensor": lambda x: fs.psum("3.0", "dp"),  # (a Python number is fine: psum(1, "dp"))
-        "scatter_nondiv": lambda x: fs.psum_scatter(x, "tp", dim=1, tiled=True, async_op=True),
+        "scatter_nondiv": lambda x: fs.psum_scatter(
+            {"w": x}, "tp", dim=1, tiled=True
+        ),  # (one tensor: uneven blocks)
         "scatter_untiled": lambda x: fs.psum_scatter(x, "tp", dim=1),
         "a2a_dim": lambda x: fs.all_to_all(x, "tp", split_dim=2, concat_dim=0),
         "ppermute_range": lambda x: fs.ppermute(x, "tp", [(0, 2)]),
@@ -632,7 +634,7 @@ def test_collective_errors_inside_shard_map():
         "mesh axes are ('dp', 'tp')",
         "axis_index_unknown": "fs.axis_index: 'pd' is not an axis of Mesh(dp=2, tp=2) (did you mean 'dp'?)",
         "not_tensor": "fs.psum expects a torch.Tensor or a pytree of tensors, got str",
-        "scatter_nondiv": "fs.psum_scatter: dim 1 of shape (2, 3) has size 3, which the axis size 2 does "
+        "scatter_nondiv": "fs.psum_scatter at x['w']: dim 1 of shape (2, 3) has size 3, which the axis size 2 does "
         "not divide; pad it to 4",
         "scatter_untiled": "fs.psum_scatter: with tiled=False dim 1 must have the axis size 2, but x has "
         "shape (2, 3); pass tiled=True to split it into 2 blocks",
