@@ -143,7 +143,7 @@ class BoundaryState:
         self.early = len({x.device for x in xs}) == 1
         self.task: int | None = None  # the backward (autograd graph task) the buckets below belong to
         self.open: dict = {}  # (group, dtype, device) -> [indices, gradients, bytes]
-        self.launched: list = []  # (work, flat, indices, shapes), in launch order
+        self.launched: list = []  # (work, flat, indices, shapes, record), in launch order
         self.started: set = set()  # the (group, dtype, device) keys that launched a bucket
 
     def begin(self) -> None:
@@ -160,7 +160,7 @@ class BoundaryState:
         device); launch the bucket once ``ct`` does not fit in it or fills it."""
         nbytes = ct.numel() * ct.element_size()
         if not nbytes:  # nothing to reduce
-            self.launched.append((None, ct.reshape(-1), [i], [ct.shape]))
+            self.launched.append((None, ct.reshape(-1), [i], [ct.shape], None))
             return
         key = (g, ct.dtype, ct.device)
         cap = self.bucket_bytes if key in self.started else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
@@ -184,16 +184,16 @@ class BoundaryState:
         flat = torch.cat([c.reshape(-1) for c in b[1]])  # a copy: ct may be shared with other grads
         with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
             work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
-        self.launched.append((work, flat, b[0], [c.shape for c in b[1]]))
+        self.launched.append((work, flat, b[0], [c.shape for c in b[1]], _comm.issued()))
 
     def finish(self, grads: list) -> None:
         """Launch the buckets still open, wait for all, add the sums into ``grads``."""
         for key, b in list(self.open.items()):
             self._launch(key, b)
         launched, self.launched, self.task = self.launched, [], None
-        for work, flat, idx, shapes in launched:
+        for work, flat, idx, shapes, rec in launched:
             if work is not None:
-                work.wait()
+                _comm.wait_work(work, rec)  # marked as a wait in that collective (hang reports)
             offset = 0
             for i, shape in zip(idx, shapes):
                 n = shape.numel()

@@ -21,7 +21,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _debug, _vma
+from . import _comm, _debug, _vma, _watchdog
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError, SpecError, TracingError
 from ._mesh import Mesh
@@ -483,7 +483,7 @@ def switch(index, branches, *operands):
             flat[k] = _vma.tag(v, tr, union)
         token = got[-1]
         operands = optree.tree_unflatten(treedef, flat)
-    with _BranchGuard(tr, bits, union, i):
+    with _BranchGuard(tr, bits, union, i), _watchdog.anonymous_sites():  # branches differ by rank
         out = branches[i](*operands)
     leaves, otreedef = optree.tree_flatten(out)
     others = union & ~bits
