@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from ._errors import CollectiveError
 
+_F = torch.ops._c10d_functional
+
 __all__: list[str] = []
 
 DEFAULT_HANG_REPORT = 60.0  # seconds a rank waits in one collective before it reports
@@ -179,12 +181,12 @@ def _gather_rows(row: list[int], group: Any, device, rec: tuple) -> list[list[in
     """Every rank's ``row`` (one all-gather over ``group``, marked as a wait on ``rec``)."""
     from ._comm import untracked
 
-    with untracked():
+    with untracked(), torch.no_grad():
+        pg = group if group is not None else dist.group.WORLD
+        n = dist.get_world_size(pg)
         t = torch.tensor(row, dtype=torch.int64, device=device)
-        n = dist.get_world_size(group)
-        out = torch.empty(n * len(row), dtype=torch.int64, device=device)
-        wait(dist.all_gather_into_tensor, rec, out, t, group=group)
-        return out.view(n, len(row)).tolist()
+        out = _F.all_gather_into_tensor.default(t, n, pg.group_name)  # type: ignore[union-attr]
+        return wait(_F.wait_tensor.default, rec, out).view(n, len(row)).tolist()
 
 
 def _fingerprint(rec: tuple, group: Any, device) -> None:
@@ -325,7 +327,25 @@ def ensure_started() -> None:
         return
     S.started = True
     _stores.clear()
-    threading.Thread(target=_watch, args=(dist.get_rank(),), daemon=True, name="fshard-watchdog").start()
+    _stop.clear()
+    thread = threading.Thread(target=_watch, args=(dist.get_rank(),), daemon=True, name="fshard-watchdog")
+    thread.start()
+    if not _stop_hooked:
+        import atexit
+
+        atexit.register(_stop_at_exit, thread)  # before the process group is torn down (LIFO)
+        globals()["_stop_hooked"] = True
+
+
+_stop = threading.Event()
+_stop_hooked = False
+
+
+def _stop_at_exit(thread: threading.Thread) -> None:
+    """Stop the watchdog and close its store connection before interpreter teardown."""
+    _stop.set()
+    thread.join(timeout=2.0)
+    _stores.clear()
 
 
 def _watch(rank: int) -> None:
@@ -338,7 +358,9 @@ def _watch(rank: int) -> None:
     failures = 0
     while True:
         threshold = S.threshold
-        time.sleep(0.5 if threshold is None else min(0.5, max(0.05, threshold / 4)))
+        if _stop.wait(0.5 if threshold is None else min(0.5, max(0.05, threshold / 4))):
+            _stores.pop("watchdog", None)
+            return
         try:
             req = int(store.add(_PREFIX + "req", 0))
             if req != seen:
