@@ -165,7 +165,7 @@ class BoundaryState:
         self.slot: dict = {}  # input index -> (bucket, position)
         self.next = 0  # the next bucket to launch: buckets go strictly in plan order
         self.extra: list = []  # gradients outside the plan (launched at the boundary, by index)
-        self.launched: list = []  # (work, flat, indices, shapes), in launch order
+        self.launched: list = []  # (work, flat, indices, shapes, record), in launch order
 
     def begin(self) -> None:
         """Start this backward's buckets; drop what an abandoned backward of the graph left."""
@@ -240,7 +240,7 @@ class BoundaryState:
         """Put input ``i``'s unreduced gradient ``ct`` in its planned bucket; launch, in plan order,
         every bucket that is now complete."""
         if not ct.numel():  # nothing to reduce
-            self.launched.append((None, ct.reshape(-1), [i], [ct.shape]))
+            self.launched.append((None, ct.reshape(-1), [i], [ct.shape], None))
             return
         if self.plan is None:
             self.make_plan(lambda k: k == i or self.tap_present(k))
@@ -267,7 +267,7 @@ class BoundaryState:
         flat = torch.cat([c.reshape(-1) for c in cts])  # a copy: ct may be shared with other grads
         with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
             work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
-        self.launched.append((work, flat, idx, [c.shape for c in cts]))
+        self.launched.append((work, flat, idx, [c.shape for c in cts], _comm.issued()))
 
     def finish(self, grads: list) -> None:
         """Launch the buckets still waiting (in plan order), wait for all, add the sums into ``grads``."""
@@ -279,9 +279,9 @@ class BoundaryState:
             self._reduce(g, [i], [ct])
         launched, self.launched, self.task, self.plan = self.launched, [], None, None
         self.extra = []
-        for work, flat, idx, shapes in launched:
+        for work, flat, idx, shapes, rec in launched:
             if work is not None:
-                work.wait()
+                _comm.wait_work(work, rec)  # marked as a wait in that collective (hang reports)
             offset = 0
             for i, shape in zip(idx, shapes):
                 n = shape.numel()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (the ops' fake kernels, for tracing)
 
+from . import _watchdog as _watch
 from ._mesh import AxisGroup
 
 __all__ = ["count_collectives", "CollectiveCounts"]  # the public part; the rest is internal
@@ -114,12 +115,29 @@ def _span(kind: str, names: tuple[str, ...], nbytes: int):
 
 
 def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
-    """Record one collective of ``t`` over ``g`` and return its profiler range (see `_span`)."""
+    """Record one collective of ``t`` over ``g`` and return its profiler range (see `_span`).
+
+    Outside ``torch.compile`` it also gets its record in ``_watchdog`` (sequence number, call
+    site; in debug mode the cross-rank fingerprint check, which raises before anything is sent),
+    which `issued` returns until the next collective."""
     _record(kind, g, t)
-    if _compiling() or not _profiling():  # a compiled graph shows the functional ops themselves
+    if _compiling():  # a compiled graph shows the functional ops themselves
+        return _NO_SPAN
+    _watch.begin(kind, g, t)
+    if not _profiling():
         return _NO_SPAN
     label = f"fshard.{kind}[{','.join(g.names)}] {t.numel() * t.element_size()}B"
     return torch.profiler.record_function(label)
+
+
+def issued() -> tuple | None:
+    """The record of the last collective `_issue` saw (what a later wait marks; see ``_watchdog``)."""
+    return _watch.S.issued
+
+
+def wait_work(work, rec: tuple | None) -> None:
+    """``work.wait()`` of a ``torch.distributed`` async op issued as ``rec``, marked as a wait."""
+    _watch.wait(work.wait, rec)
 
 
 untracked = torch._C.DisableTorchFunction
@@ -156,13 +174,14 @@ def _launch(op, *args) -> torch.Tensor:
         return op(*args)
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    """``wait_tensor``: the output of a functional collective, once the collective is done."""
+def _wait(t: torch.Tensor, rec: tuple | None) -> torch.Tensor:
+    """``wait_tensor``: the output of a functional collective, once the collective is done; the wait
+    is marked as one in collective ``rec`` (see ``_watchdog``)."""
     if _compiling():
         with torch.no_grad():
             return _WAIT(t)
     with _below_autograd():
-        return _WAIT(t)
+        return _watch.wait(_WAIT, rec, t)
 
 
 def _name(g: AxisGroup) -> str:
@@ -192,7 +211,7 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Ten
             return t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()
         with _issue("all_reduce", g, t):  # the range covers the wait, as for any blocking call
-            return _wait(_launch(_ALL_REDUCE, t, _OP_NAMES[op], _name(g)))
+            return _wait(_launch(_ALL_REDUCE, t, _OP_NAMES[op], _name(g)), issued())
 
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -213,7 +232,7 @@ def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         splits = [1] * g.size
         with _issue("all_to_all", g, t):
-            out = _wait(_launch(_ALL_TO_ALL, t, splits, splits, _name(g)))
+            out = _wait(_launch(_ALL_TO_ALL, t, splits, splits, _name(g)), issued())
         return _to_blocks_order(out, g, inverse=True)
 
 
@@ -221,19 +240,20 @@ class Handle:
     """An asynchronous operation in flight: ``wait()`` blocks until it is done and returns its
     result (once; later calls return the same result)."""
 
-    __slots__ = ("_works", "_finish", "_result", "_done")
+    __slots__ = ("_works", "_finish", "_result", "_done", "_rec")
 
-    def __init__(self, works, finish):
+    def __init__(self, works, finish, rec=None):
         self._works = works
         self._finish = finish
         self._result = None
         self._done = False
+        self._rec = rec  # the collective's record, for the works' wait (see ``_watchdog``)
 
     def wait(self):
         if not self._done:
             with torch.no_grad():  # the backend may write results into views of our buffers
                 for work in self._works:
-                    work.wait()
+                    _watch.wait(work.wait, self._rec)
             self._result = self._finish()
             self._done = True
             self._works = ()
@@ -260,7 +280,7 @@ def permute_start(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ..
         with _issue("ppermute", g, flat if send_to else flat.reshape(-1)[:0]):
             works = dist.batch_isend_irecv(ops)
             result = out if recv_from else torch.zeros_like(t)  # a sender's zeros: made while sending
-        return Handle(works, lambda: result)
+        return Handle(works, lambda: result, issued())
 
 
 def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -285,10 +305,11 @@ def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:
             return Handle((), lambda: blocks)
         with _issue("all_gather", g, t):
             out = _launch(_ALL_GATHER, t.reshape(-1), g.size, _name(g))
+        rec = issued()
 
         def finish():
             with untracked():
-                return _to_blocks_order(_wait(out).view(g.size, *t.shape), g, inverse=True)
+                return _to_blocks_order(_wait(out, rec).view(g.size, *t.shape), g, inverse=True)
 
         return Handle((), finish)
 
@@ -303,10 +324,11 @@ def reduce_scatter_start(t: torch.Tensor, g: AxisGroup) -> Handle:
         with _issue("reduce_scatter", g, t):
             out = _launch(_REDUCE_SCATTER, t.reshape(-1), "sum", g.size, _name(g))
         shape = t.shape[1:]
+        rec = issued()
 
         def finish():
             with untracked():
-                return _wait(out).view(shape)
+                return _wait(out, rec).view(shape)
 
         return Handle((), finish)
 
@@ -319,7 +341,7 @@ def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
         t = t.contiguous()
         root = src if g.order is None else g.order[src]  # the functional op takes the group rank
         with _issue("broadcast", g, t):
-            return _wait(_launch(_BROADCAST, t, root, _name(g)))
+            return _wait(_launch(_BROADCAST, t, root, _name(g)), issued())
 
 
 def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
@@ -332,7 +354,7 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
                         t.copy_(_WAIT(_ALL_REDUCE(t, _OP_NAMES[op], _name(g))))
                     return
                 with _below_autograd():
-                    _WAIT(_ALL_REDUCE_(t, _OP_NAMES[op], _name(g)))
+                    _watch.wait(_WAIT, issued(), _ALL_REDUCE_(t, _OP_NAMES[op], _name(g)))
 
 
 def gather_blocks(t: torch.Tensor, g: AxisGroup, dst: int) -> torch.Tensor | None:
@@ -347,7 +369,7 @@ def gather_blocks(t: torch.Tensor, g: AxisGroup, dst: int) -> torch.Tensor | Non
         out = torch.empty(g.size, *t.shape, dtype=t.dtype, device=t.device) if g.index == dst else None
         rows = list(out.unbind(0)) if out is not None else None
         with _issue("gather", g, t):
-            dist.gather(t, rows, dst=g.global_ranks[dst], group=g.group)  # type: ignore[arg-type]
+            _watch.wait(dist.gather, issued(), t, rows, dst=g.global_ranks[dst], group=g.group)
         if out is None:
             return None
         return _to_blocks_order(out, g, inverse=True)
@@ -362,7 +384,7 @@ def reduce_(t: torch.Tensor, g: AxisGroup, dst: int) -> None:
     with untracked():
         if g.size > 1:
             with _issue("reduce", g, t):
-                dist.reduce(t, dst=g.global_ranks[dst], group=g.group)  # type: ignore[arg-type]
+                _watch.wait(dist.reduce, issued(), t, dst=g.global_ranks[dst], group=g.group)
 
 
 def gather_shapes(xs, g: AxisGroup, device=None) -> list[list[tuple[int, ...]]]:
@@ -386,8 +408,9 @@ def broadcast_object(objs: list, src: int) -> None:
         if _recorders:
             for r in _recorders:
                 r.records.append(("broadcast", ("world",), 0))
+        rec = _watch.begin("broadcast", _watch.world_group(), torch.empty(len(objs), dtype=torch.uint8))
         with _span("broadcast", ("world",), 0):
-            dist.broadcast_object_list(objs, src=src)
+            _watch.wait(dist.broadcast_object_list, rec, objs, src=src)
 
 
 def scatter(out: torch.Tensor, blocks: list | None, src: int) -> None:
@@ -396,5 +419,6 @@ def scatter(out: torch.Tensor, blocks: list | None, src: int) -> None:
     if _recorders:
         for r in _recorders:
             r.records.append(("scatter", ("world",), nbytes))
+    rec = _watch.begin("scatter", _watch.world_group(), out)
     with _span("scatter", ("world",), nbytes):
-        dist.scatter(out, blocks, src=src)
+        _watch.wait(dist.scatter, rec, out, blocks, src=src)

@@ -6,7 +6,11 @@ check, with one or two small all-gathers over the mesh, what no rank can see alo
 * plain tensor inputs (global values, so the same on every rank) hold the same bytes on every
   rank (a digest per input is compared);
 * outputs have the same structure and local shapes on every rank (data-dependent shapes such
-  as ``x[mask]`` differ per rank).
+  as ``x[mask]`` differ per rank);
+
+and every collective checks, with one small all-gather over its group before it is issued, that
+every rank of the group is issuing the same one (sequence number, op, axes, shape, dtype, call
+site; see ``_watchdog``), raising `CollectiveError` on every rank otherwise.
 
 A failed check raises `TracingError` on every rank with the same message.
 """
@@ -18,7 +22,7 @@ import os
 
 import torch
 
-from . import _comm
+from . import _comm, _watchdog
 from ._comm import untracked
 from ._errors import TracingError
 
@@ -30,8 +34,10 @@ enabled: bool = os.environ.get("FSHARD_DEBUG", "") not in ("", "0")
 class debug:
     """Turn fshard's cross-rank debug checks on (or off) inside a ``with`` block.
 
-    Checks cost one or two small all-gathers per ``shard_map`` call; set ``FSHARD_DEBUG=1``
-    in the environment to turn them on for a whole run.
+    Checks cost one or two small all-gathers per ``shard_map`` call and one per collective (the
+    collective's fingerprint: every rank of the group must be issuing the same one); set
+    ``FSHARD_DEBUG=1`` in the environment to turn them on for a whole run. Turn debug mode on on
+    every rank alike: the checks are collectives themselves.
 
     Examples:
         >>> with fs.debug():
@@ -45,12 +51,12 @@ class debug:
     def __enter__(self) -> debug:
         global enabled
         self._saved.append(enabled)
-        enabled = self.on
+        enabled = _watchdog.S.check = self.on
         return self
 
     def __exit__(self, *exc) -> None:
         global enabled
-        enabled = self._saved.pop()
+        enabled = _watchdog.S.check = self._saved.pop()
 
 
 def _digest(t: torch.Tensor) -> int:

@@ -156,9 +156,12 @@ def write_error_file(path: str, exc: BaseException, tb: Any, *, secondary: bool 
     """Record ``exc`` in ``path`` the way ``torch.distributed.elastic``'s ``@record`` does.
 
     ``secondary``: ``exc`` is a consequence of another rank failing (a closed connection, a
-    timeout), so a launcher should look for another culprit first.
+    timeout), so a launcher should look for another culprit first. An exception carrying
+    ``fshard_blame = (ranks, what)`` (a collective that timed out because ``ranks`` did not
+    arrive) records them: the launcher names those ranks.
     """
     now = time.time()
+    blame = getattr(exc, "fshard_blame", None)
     data = {
         "message": {
             "message": one_line(exc, 2000),
@@ -167,6 +170,7 @@ def write_error_file(path: str, exc: BaseException, tb: Any, *, secondary: bool 
                 "timestamp": str(int(now)),
                 "fshard_time": repr(now),
                 "fshard_secondary": secondary,
+                "fshard_blame": list(blame) if blame else None,
             },
         }
     }
@@ -183,6 +187,7 @@ class Recorded(NamedTuple):
     message: str  # "ValueError: ..." on one line
     time: float  # when it was written
     secondary: bool  # a consequence of another rank failing
+    blame: tuple | None = None  # (ranks that did not arrive at a collective, what they did not do)
 
 
 def read_error_file(path: str) -> Recorded | None:
@@ -196,7 +201,9 @@ def read_error_file(path: str) -> Recorded | None:
         info = message.get("extraInfo", {})
         when = float(info.get("fshard_time") or info.get("timestamp") or os.path.getmtime(path))
         text = str(message.get("message", "")).splitlines()
-        return Recorded(text[0] if text else "", when, bool(info.get("fshard_secondary", False)))
+        blame = info.get("fshard_blame")
+        blame = (tuple(int(r) for r in blame[0]), str(blame[1])) if blame else None
+        return Recorded(text[0] if text else "", when, bool(info.get("fshard_secondary", False)), blame)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -284,7 +291,7 @@ def collective_timeout() -> timedelta | None:
 # init
 
 
-def init(backend: str | None = None, timeout: float | None = None) -> None:
+def init(backend: str | None = None, timeout: float | None = None, hang_report: float | None = 60.0) -> None:
     """Initialize the default ``torch.distributed`` process group from the environment.
 
     Reads the ``env://`` variables that ``torchrun`` and ``python -m fshard.run`` set (``RANK``,
@@ -305,11 +312,18 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
             process is then bound to GPU ``LOCAL_RANK`` with ``torch.cuda.set_device``), else
             ``"gloo"``.
         timeout: collective / rendezvous timeout in seconds (torch's default, 30 minutes, when
-            ``None``). It also applies to every process group a `Mesh` creates.
+            ``None``). It also applies to every process group a `Mesh` creates. When it ends a
+            wait in an fshard collective, the rank raises `CollectiveError` naming the ranks that
+            did not arrive (and where they are); the launcher names them too.
+        hang_report: seconds a rank may wait in one fshard collective before it prints, once, a
+            hang report on stderr: which ranks of the group have not arrived, the collective
+            (op, axes, call site, sequence number) every rank is in or last finished, and the
+            Python stacks of the missing ones (``None``: no report). Applied also when the
+            default group already exists (inside `launch` / `RankPool`).
 
     Raises:
         FshardError: the environment is only partially configured, or holds non-integers, or
-            ``timeout`` is not a positive number.
+            ``timeout`` or ``hang_report`` is not a positive number.
 
     Examples:
         >>> import torch, torch.distributed as dist
@@ -322,9 +336,11 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
     import torch.distributed as dist
 
     timeout = check_timeout(timeout, "fshard.init()")
+    hang_report = _check_hang_report(hang_report)
     if not dist.is_available():
         raise FshardError("torch.distributed is not available in this build of PyTorch")
     if dist.is_initialized():
+        _start_watchdog(hang_report)
         return
     names = (*REQUIRED_ENV, "LOCAL_RANK")
     present = {name: os.environ[name] for name in names if os.environ.get(name)}
@@ -358,11 +374,30 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
     if "nccl" in backend and "LOCAL_RANK" not in present:
         local_rank = rank % max(1, torch.cuda.device_count())
     init_process_group(backend, local_rank=local_rank, timeout=timeout)
+    _start_watchdog(hang_report)
     # Half the collective timeout: a rank that left early (sys.exit(3)) while its peers wait for
     # it in a collective gives up on them before they give up on it, so it is seen to fail first.
     _exit.barrier_timeout = min(EXIT_BARRIER_TIMEOUT, timeout / 2) if timeout else EXIT_BARRIER_TIMEOUT
     _install_failure_hook()
     atexit.register(_shutdown_at_exit)
+
+
+def _check_hang_report(seconds: Any) -> float | None:
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise FshardError(
+            f"fshard.init(): hang_report must be a positive number of seconds (or None for no report), "
+            f"got {seconds!r}"
+        )
+    return float(seconds)
+
+
+def _start_watchdog(hang_report: float | None) -> None:
+    """Set the hang-report threshold and start this rank's watchdog (see ``fshard._watchdog``)."""
+    from . import _watchdog
+
+    _watchdog.configure(hang_report)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -87,6 +87,9 @@ def _error_message(exc: BaseException) -> tuple:
 def _run_job(data: bytes) -> bytes:
     """Unpickle ``(fn, args, kwargs)``, call it, and return the pickled reply."""
     try:
+        from . import _watchdog
+
+        _watchdog.reset()  # a job starts in step on every rank: collective sequence numbers from 1
         fn, args, kwargs = pickle.loads(data)
         return pickle.dumps(("ok", fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as exc:  # SystemExit too: a rank must always answer
@@ -122,6 +125,9 @@ def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
             rank=rank,
             world_size=nprocs,
         )
+        from . import _watchdog
+
+        _watchdog.ensure_started()  # answers hang reports, including while a job runs outside fshard
         conn.send_bytes(pickle.dumps(("ready", os.getpid())))
     except BaseException as exc:
         conn.send_bytes(pickle.dumps(_error_message(exc)))

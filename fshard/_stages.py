@@ -21,7 +21,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _debug, _vma
+from . import _comm, _debug, _vma, _watchdog
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError, SpecError, TracingError
 from ._mesh import Mesh
@@ -484,7 +484,7 @@ def switch(index, branches, *operands):
         token = got[-1]
         operands = optree.tree_unflatten(treedef, flat)
     uneven, ragged = tr.uneven, tr.ragged  # a data-dependent shape in one branch is known to its ranks only
-    with _BranchGuard(tr, bits, union, i):
+    with _BranchGuard(tr, bits, union, i), _watchdog.anonymous_sites():  # branches differ by rank
         out = branches[i](*operands)
     tr.uneven, tr.ragged = uneven, ragged
     leaves, otreedef = optree.tree_flatten(out)

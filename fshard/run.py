@@ -160,7 +160,9 @@ def _root_cause(codes: list[int | None], error_files: list[str], *, final: bool)
     """The rank that failed first, and how: ``(rank, "raised ValueError: ... and exited with code 1")``.
 
     In order: the rank that recorded the earliest exception of its own (it wrote its error file
-    before closing its connections, hence before any peer could fail because of it); else the
+    before closing its connections, hence before any peer could fail because of it); else a rank
+    that another rank's collective timed out waiting for (``"did not arrive at ..."``: it is
+    still running, stuck elsewhere, and recorded nothing); else the
     lowest rank that exited with an error and recorded nothing (``sys.exit(3)``, a signal); else,
     if every failed rank recorded a consequence of another rank failing (a closed connection, a
     timeout), None until ``final`` (the culprit may still be on its way out), then the earliest.
@@ -176,6 +178,10 @@ def _root_cause(codes: list[int | None], error_files: list[str], *, final: bool)
     if primary:
         rank = min(primary)[1]
         return rank, raised(rank)
+    blamed = [(got.time, got.blame) for got in recorded.values() if got is not None and got.blame]
+    if blamed:
+        ranks, what = min(blamed)[1]
+        return ranks[0], what
     failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
     unrecorded = [rank for rank in failed if recorded[rank] is None]
     if unrecorded:
@@ -254,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     pumps.append(thread)
 
         blamed: int | None = None  # the rank that failed first
+        stuck = False  # the blamed rank did not arrive at a collective (the launcher stops it)
         first_failure: float | None = None  # when a rank was first seen to fail
         kill_at: float | None = None
         while True:
@@ -270,15 +277,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 verdict = _root_cause(codes, error_files, final=now - first_failure >= _WAIT_FOR_CULPRIT)
             if verdict is not None:
                 blamed, what = verdict
+                # A rank that did not arrive at a collective is stuck elsewhere: it is stopped too.
+                stuck = what.startswith("did not arrive")
                 others = [p for rank, p in enumerate(procs) if rank != blamed and p.poll() is None]
+                it = "it and " if stuck and codes[blamed] is None else ""
                 print(
                     f"fshard.run: rank {blamed} (pid {procs[blamed].pid}) {what}; "
-                    f"terminating the {len(others)} other running rank(s)",
+                    f"terminating {it}the {len(others)} other running rank(s)",
                     file=sys.stderr,
                     flush=True,
                 )
-                for proc in others:  # the blamed rank, if still running, is ending by itself
-                    proc.terminate()
+                for proc in others + ([procs[blamed]] if stuck and codes[blamed] is None else []):
+                    proc.terminate()  # the blamed rank, if still running, is ending by itself (unless stuck)
                 kill_at = now + _KILL_AFTER_FAILURE
             if kill_at is not None and now >= kill_at:
                 for proc in procs:
@@ -293,7 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"fshard.run: rank {blamed} (pid {procs[blamed].pid}) {what}", file=sys.stderr, flush=True)
         if blamed is None:
             return 0
-        # The blamed rank's code; if it somehow exited with 0 after recording, the first failure's.
+        # The blamed rank's code; if it somehow exited with 0 after recording, or was stopped by the
+        # launcher for not arriving, the first failure's.
+        if stuck:
+            return exit_status(next((c for rank, c in enumerate(codes) if c and rank != blamed), 1))
         return exit_status(codes[blamed] or next(code for code in codes if code))
     finally:
         for proc in procs:

@@ -1,0 +1,472 @@
+"""Ranks that disagree about collectives: a clear error, never a silent wrong value or a silent hang.
+
+Every collective fshard issues passes through `begin` (called by ``_comm._issue``), which gives it a
+record: its sequence number in its group (the ranks it runs over), the op, the axes, the shape, the
+dtype and the call site (the first frame outside fshard and torch). Two parts use the records:
+
+* **always on** (a dict update, a short walk up the stack and a few attribute writes per collective):
+  the sequence counters, the last collective issued, finished and waited for (``_comm`` marks "in
+  collective k since t" around every wait), and a daemon **watchdog** thread per rank. The thread
+  answers requests posted on the rendezvous store (its rank's state and the Python stack of the
+  thread that issues collectives) and, when this rank has waited longer than the hang-report
+  threshold (``fs.init(hang_report=60)``), asks every rank of the group for its state and prints,
+  once, which ranks have not arrived, where every rank is, and the stacks of the missing ones. When
+  the process-group timeout ends the wait, the gloo error becomes a `CollectiveError` naming the
+  ranks that did not arrive; it is recorded for the launcher, which names them (not the victim);
+* **debug** (``fs.debug()`` / ``FSHARD_DEBUG=1``): before each collective, one small all-gather of a
+  fixed-size fingerprint over the group; a mismatch raises the same `CollectiveError` on every rank
+  (with each rank's collective and call site) before the collective is issued, so no mismatched
+  result is returned and no collective of mismatched sizes reaches the backend.
+
+Point-to-point transfers (``ppermute``) involve only some ranks of a group: they are marked while
+waiting (for the hang report) but have no sequence number and no fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import sys
+import threading
+import time
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import CollectiveError
+
+_F = torch.ops._c10d_functional
+
+__all__: list[str] = []
+
+DEFAULT_HANG_REPORT = 60.0  # seconds a rank waits in one collective before it reports
+_PREFIX = "fshard/hang/"  # the store keys of the hang report (a prefix of their own)
+_ANSWER_WAIT = 2.5  # seconds a report waits for the other ranks' answers
+_STACK_FRAMES = 8  # frames of a missing rank's stack shown
+_DESC_BYTES = 512  # a collective's description, as exchanged on a fingerprint mismatch
+_FSHARD_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_AUTOGRAD_DIR = os.path.join(_TORCH_DIR, "autograd") + os.sep
+
+
+class _State:
+    """This rank's collective state: written by the thread that issues collectives, read by the
+    watchdog. A record is a tuple ``(seq, kind, names, ranks, shape, dtype, file, line, func, api,
+    backward)``."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[tuple[int, ...], int] = {}  # ranks of a group -> collectives issued over it
+        self.issued: tuple | None = None  # the last collective issued
+        self.current: tuple | None = None  # the collective being waited for, or None
+        self.since = 0.0  # time.monotonic() when the wait began
+        self.done: tuple | None = None  # the last collective waited for
+        self.thread = threading.main_thread().ident  # the thread that issues collectives
+        self.check = os.environ.get("FSHARD_DEBUG", "") not in ("", "0")  # the fingerprint all-gather
+        self.anonymous = 0  # > 0 inside fs.switch branches: call sites may differ by rank
+        self.threshold: float | None = DEFAULT_HANG_REPORT
+        self.started = False
+        self.reported: tuple | None = None  # the wait already reported
+
+
+S = _State()
+
+
+def reset() -> None:
+    """Forget the sequence counters (a new job on a pool rank: every rank starts in step)."""
+    S.seqs.clear()
+    S.issued = S.current = S.done = S.reported = None
+
+
+# -- call sites and records ------------------------------------------------------------------
+
+_public: frozenset = frozenset()
+
+
+def _site() -> tuple:
+    """``(file, line, func, api, backward)`` of the first frame outside fshard and torch; ``api``
+    is the outermost public fshard function on the way (``psum``), or ``""``."""
+    global _public
+    if not _public:
+        import fshard
+
+        _public = frozenset(fshard.__all__)
+    f: Any = sys._getframe(2)
+    api = ""
+    backward = False
+    while f is not None:
+        code = f.f_code
+        name = code.co_filename
+        if name.startswith(_FSHARD_DIR):
+            if code.co_name in _public:
+                api = code.co_name
+        elif name.startswith(_TORCH_DIR):
+            if name.startswith(_AUTOGRAD_DIR):
+                backward = True
+        else:
+            return (name, f.f_lineno, code.co_name, api, backward)
+        f = f.f_back
+    return ("", 0, "", api, backward)
+
+
+def begin(kind: str, g: Any, t: torch.Tensor) -> tuple:
+    """Record the collective of ``t`` about to be issued over the `AxisGroup` ``g`` (and, in debug
+    mode, check its fingerprint against the other ranks'); returns its record."""
+    if not S.started:
+        ensure_started()
+    ranks = g.global_ranks
+    if kind == "ppermute":
+        seq = 0
+    else:
+        seq = S.seqs.get(ranks, 0) + 1
+        S.seqs[ranks] = seq
+    rec = (seq, kind, g.names, ranks, t.shape, t.dtype, *_site())
+    S.issued = rec
+    S.thread = threading.get_ident()
+    if S.check and seq:
+        _fingerprint(rec, g.group, t.device)
+    return rec
+
+
+class _World:
+    """The world as an `AxisGroup` for `begin` (the default group; ``names`` empty)."""
+
+    names: tuple = ()
+    group = None
+
+    def __init__(self, size: int):
+        self.global_ranks = tuple(range(size))
+
+
+_worlds: dict[int, _World] = {}
+
+
+def world_group() -> _World:
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    w = _worlds.get(n)
+    if w is None:
+        w = _worlds[n] = _World(n)
+    return w
+
+
+def describe(rec: tuple | None) -> str:
+    """``#3 all_reduce (fs.psum) over dp of float32 (4, 2) at train.py:12``."""
+    if rec is None:
+        return "none"
+    seq, kind, names, _, shape, dtype, file, line, _, api, backward = rec
+    axes = ",".join(names) or "world"
+    num = f"#{seq} " if seq else ""
+    via = f" (fs.{api})" if api else ""
+    where = f" at {os.path.basename(file)}:{line}" if file else ""
+    back = " in the backward" if backward else ""
+    dt = str(dtype).replace("torch.", "")
+    return f"{num}{kind}{via} over {axes} of {dt} {tuple(shape)}{where}{back}"
+
+
+def _ranks_text(ranks) -> str:
+    ranks = list(ranks)
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+
+
+# -- debug: the fingerprint all-gather ---------------------------------------------------------
+
+
+def _crc(value: Any) -> int:
+    return zlib.crc32(repr(value).encode())
+
+
+def _gather_rows(row: list[int], group: Any, device, rec: tuple) -> list[list[int]]:
+    """Every rank's ``row`` (one all-gather over ``group``, marked as a wait on ``rec``)."""
+    from ._comm import untracked
+
+    with untracked(), torch.no_grad():
+        pg = group if group is not None else dist.group.WORLD
+        n = dist.get_world_size(pg)
+        t = torch.tensor(row, dtype=torch.int64, device=device)
+        out = _F.all_gather_into_tensor.default(t, n, pg.group_name)  # type: ignore[union-attr]
+        return wait(_F.wait_tensor.default, rec, out).view(n, len(row)).tolist()
+
+
+def _fingerprint(rec: tuple, group: Any, device) -> None:
+    seq, kind, names, ranks, shape, dtype, file, line, *_ = rec
+    site = 0 if S.anonymous else _crc((file, line))
+    me = dist.get_rank()
+    rows = _gather_rows(
+        [me, seq, _crc(kind), _crc(names), _crc(str(dtype)), _crc(tuple(shape)), site], group, device, rec
+    )
+    if all(row[1:] == rows[0][1:] for row in rows):
+        return
+    text = describe(rec).encode()[: _DESC_BYTES - 1]
+    descs = _gather_rows(list(text.ljust(_DESC_BYTES, b"\0")), group, device, rec)
+    by: dict[str, list[int]] = {}
+    for row, desc in zip(rows, descs):
+        by.setdefault(bytes(desc).rstrip(b"\0").decode(errors="replace"), []).append(row[0])
+    axes = ",".join(names) or "world"
+    lines = "\n".join(
+        f"  - {_ranks_text(sorted(r))}: {d}" for d, r in sorted(by.items(), key=lambda kv: min(kv[1]))
+    )
+    raise CollectiveError(
+        f"fshard [debug]: the ranks of the group over {axes} ({_ranks_text(sorted(r[0] for r in rows))}) "
+        f"disagree about their next collective:\n{lines}\n"
+        f"Nothing was sent: every rank of the group raised this error before the collective. Every rank "
+        f"must issue the same collectives over a group in the same order (op, axes, shape, dtype, call "
+        f"site): look for a collective in a branch on the rank or on per-rank data (if rank == 0, a loop "
+        f"whose length differs by rank) and make every rank reach it"
+    )
+
+
+# -- waiting ---------------------------------------------------------------------------------
+
+
+def wait(fn, rec: tuple | None, *args, **kwargs):
+    """``fn(*args, **kwargs)``, marked as waiting in collective ``rec``; a timeout becomes a
+    `CollectiveError` naming the ranks that did not arrive."""
+    S.current, S.since = rec, time.monotonic()
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        err = timed_out(exc, rec)
+        if err is None:
+            raise
+        raise err from exc
+    finally:
+        S.current, S.done = None, rec
+
+
+def timed_out(exc: BaseException, rec: tuple | None) -> CollectiveError | None:
+    """The error to raise instead of ``exc`` when ``exc`` is the process-group timeout ending the
+    wait in ``rec`` (None otherwise): which ranks of the group did not arrive, and where they are."""
+    if rec is None or not rec[0] or "timed out" not in str(exc).lower() or not _world():
+        return None
+    waited = time.monotonic() - S.since
+    try:
+        states = _collect(_main_store(), rec[3])
+    except Exception:  # the store is gone (its host rank has already ended): gloo's error stands
+        return None
+    missing = _missing(rec, states)
+    me = dist.get_rank()
+    head = f"rank {me} timed out after {waited:.0f} s waiting in {describe(rec)} (over {_ranks_text(rec[3])})"
+    if not missing:
+        err = CollectiveError(
+            f"{head}; every rank of the group had issued it or a later one, so they disagree about it:\n"
+            f"{_states_text(rec, states, [])}\nTurn on fs.debug() (or FSHARD_DEBUG=1) to have each collective "
+            f"checked across the ranks before it is issued"
+        )
+        return err
+    where = "; ".join(f"rank {r} {_whereabouts(states.get(r))}" for r in missing)
+    text = f"did not arrive at {describe(rec)}, where rank {me} timed out waiting for it after {waited:.0f} s"
+    err = CollectiveError(
+        f"{head}: {_ranks_text(missing)} did not arrive ({where}). Every rank of a group must reach each of "
+        f"its collectives within the timeout (fs.init(timeout=...)): look for work the missing rank does alone "
+        f"(data loading, evaluation or saving on one rank), or a collective it skipped"
+    )
+    # read by the exit hook (fshard._env.write_error_file): the launcher names these ranks
+    err.fshard_blame = (missing, text)  # type: ignore[attr-defined]
+    return err
+
+
+def _whereabouts(state: dict | None) -> str:
+    if state is None:
+        return "did not answer: its process may have died, or its watchdog is not running"
+    if state["current"]:
+        return f"is waiting in {state['current']} for {state['waited']:.0f} s"
+    if state["done"] == "none":
+        return f"has finished no fshard collective and is at {state['where']}"
+    return f"last finished {state['done']} and is at {state['where']}"
+
+
+def _missing(rec: tuple, states: dict) -> list[int]:
+    """Ranks of ``rec``'s group that have not issued it (no answer counts as missing)."""
+    key = json.dumps(list(rec[3]))
+    return [r for r in rec[3] if r not in states or states[r]["seqs"].get(key, 0) < rec[0]]
+
+
+def _states_text(rec: tuple, states: dict, missing: list[int]) -> str:
+    lines = []
+    for r in rec[3]:
+        state = states.get(r)
+        lines.append(f"  rank {r}: {_whereabouts(state)}")
+        if r in missing and state is not None and state["stack"]:
+            lines += [f"      {frame}" for frame in state["stack"]]
+    return "\n".join(lines)
+
+
+# -- the watchdog ----------------------------------------------------------------------------
+
+
+def _world() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+_stores: dict[str, Any] = {}
+
+
+def _store(which: str):
+    """A connection of its own to the rendezvous store, per thread (``which``)."""
+    store = _stores.get(which)
+    if store is None:
+        store = _stores[which] = dist.distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
+    return store
+
+
+def _main_store():
+    return _store("main")
+
+
+def configure(hang_report: float | None) -> None:
+    """Set the hang-report threshold (None: no report) and start the watchdog."""
+    S.threshold = hang_report
+    ensure_started()
+
+
+def ensure_started() -> None:
+    """Start this rank's watchdog thread (once per process; only in a world of several ranks)."""
+    if S.started or not _world():
+        return
+    S.started = True
+    _stores.clear()
+    _stop.clear()
+    thread = threading.Thread(target=_watch, args=(dist.get_rank(),), daemon=True, name="fshard-watchdog")
+    thread.start()
+    if not _stop_hooked:
+        import atexit
+
+        atexit.register(_stop_at_exit, thread)  # before the process group is torn down (LIFO)
+        globals()["_stop_hooked"] = True
+
+
+_stop = threading.Event()
+_stop_hooked = False
+
+
+def _stop_at_exit(thread: threading.Thread) -> None:
+    """Stop the watchdog and close its store connection before interpreter teardown."""
+    _stop.set()
+    thread.join(timeout=2.0)
+    _stores.clear()
+
+
+def _watch(rank: int) -> None:
+    try:
+        store = _store("watchdog")
+    except Exception:
+        S.started = False
+        return
+    seen = -1
+    failures = 0
+    while True:
+        threshold = S.threshold
+        if _stop.wait(0.5 if threshold is None else min(0.5, max(0.05, threshold / 4))):
+            _stores.pop("watchdog", None)
+            return
+        try:
+            req = int(store.add(_PREFIX + "req", 0))
+            if req != seen:
+                _answer(store, rank, req)
+                seen = req
+            rec, since = S.current, S.since
+            if (
+                rec is not None
+                and threshold is not None
+                and rec is not S.reported
+                and time.monotonic() - since >= threshold
+            ):
+                S.reported = rec
+                states = _collect(store, rec[3])
+                _print_report(rank, rec, since, states)
+            failures = 0
+        except Exception:  # the store is gone (the job is ending): stop after a few tries
+            failures += 1
+            if failures >= 5:
+                S.started = False
+                return
+
+
+def _state(rank: int, req: int) -> dict:
+    rec, since, done = S.current, S.since, S.done
+    frames = sys._current_frames().get(S.thread or 0)
+    stack: list[str] = []
+    where = "an unknown place"
+    if frames is not None:
+        import traceback
+
+        summary = traceback.extract_stack(frames)
+        stack = [
+            f'File "{fr.filename}", line {fr.lineno}, in {fr.name}: {fr.line}'
+            for fr in summary[-_STACK_FRAMES:]
+        ]
+        user = [fr for fr in summary if not fr.filename.startswith((_FSHARD_DIR, _TORCH_DIR))]
+        if user:
+            fr = user[-1]
+            code = fr.line or linecache.getline(fr.filename, fr.lineno or 0).strip()
+            where = f"{os.path.basename(fr.filename)}:{fr.lineno} in {fr.name}: {code}"
+    return {
+        "rank": rank,
+        "req": req,
+        "seqs": {json.dumps(list(k)): v for k, v in S.seqs.items()},
+        "current": describe(rec) if rec is not None else None,
+        "waited": time.monotonic() - since if rec is not None else 0.0,
+        "done": describe(done),
+        "where": where,
+        "stack": stack,
+    }
+
+
+def _answer(store, rank: int, req: int) -> None:
+    store.set(f"{_PREFIX}state/{rank}", json.dumps(_state(rank, req)))
+
+
+def _collect(store, ranks: tuple) -> dict[int, dict]:
+    """Ask every rank for its state; wait (up to `_ANSWER_WAIT` s) for the answers of ``ranks``.
+
+    Requests other ranks post meanwhile are answered too (they may be collecting at the same time)."""
+    me = dist.get_rank()
+    req = answered = int(store.add(_PREFIX + "req", 1))
+    _answer(store, me, req)
+    states: dict[int, dict] = {}
+    deadline = time.monotonic() + _ANSWER_WAIT
+    while True:
+        latest = int(store.add(_PREFIX + "req", 0))
+        if latest > answered:
+            _answer(store, me, latest)
+            answered = latest
+        for r in ranks:
+            if r in states:
+                continue
+            key = f"{_PREFIX}state/{r}"
+            if store.check([key]):
+                state = json.loads(store.get(key))
+                if state["req"] >= req:
+                    states[r] = state
+        if len(states) == len(ranks) or time.monotonic() >= deadline:
+            return states
+        time.sleep(0.05)
+
+
+def _print_report(rank: int, rec: tuple, since: float, states: dict) -> None:
+    missing = _missing(rec, states)
+    if missing:
+        verdict = f"{_ranks_text(missing)} of the group {'have' if len(missing) > 1 else 'has'} not arrived"
+    else:
+        verdict = "every rank of the group has issued it or a later one: they disagree about it"
+    text = (
+        f"fshard: rank {rank} has waited {time.monotonic() - since:.0f} s in {describe(rec)} "
+        f"(over {_ranks_text(rec[3])}); {verdict}:\n{_states_text(rec, states, missing)}\n"
+    )
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+class anonymous_sites:
+    """Inside ``fs.switch`` branches each rank runs its own code: call sites are not compared."""
+
+    def __enter__(self) -> None:
+        S.anonymous += 1
+
+    def __exit__(self, *exc) -> None:
+        S.anonymous -= 1

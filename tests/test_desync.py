@@ -1,0 +1,319 @@
+"""Ranks that disagree about collectives get a clear error, never a silent wrong value or hang.
+
+* debug mode (``fs.debug()``): a rank that skips a collective, or issues another one (an
+  all_gather where its peers psum, of the same or of another size; ``async_op=True`` too), makes
+  every rank of the group raise the same `CollectiveError` before anything is sent (no wrong value,
+  no gloo abort), on 1- and 2-axis meshes; values are checked against plain torch;
+* always: a rank stuck outside a collective is named, with its stack line, by a hang report once
+  the others have waited ``hang_report`` seconds, then by the error that ends the wait at the
+  timeout, and by the launcher's last line (``python -m fshard.run``; ``fs.RankPool``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fshard as fs
+from fshard._errors import RankError
+from fshard._launch import RankPool
+from tests.conftest import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = os.path.basename(__file__)
+BOUND = 30.0  # seconds: each hang below (timeout 6 s) must end well within this
+
+
+def _line(marker: str) -> int:
+    """The line of this file that ends with ``# <marker>``."""
+    lines = Path(__file__).read_text().splitlines()
+    return next(i + 1 for i, text in enumerate(lines) if text.endswith(f"# {marker}"))
+
+
+FIX = (
+    "Nothing was sent: every rank of the group raised this error before the collective. Every rank must "
+    "issue the same collectives over a group in the same order (op, axes, shape, dtype, call site): look "
+    "for a collective in a branch on the rank or on per-rank data (if rank == 0, a loop whose length "
+    "differs by rank) and make every rank reach it"
+)
+
+
+def _desync_message(axes, ranks, groups):
+    bullets = "\n".join(f"  - {who}: {what}" for who, what in groups)
+    return (
+        f"fshard [debug]: the ranks of the group over {axes} ({ranks}) disagree about their next "
+        f"collective:\n{bullets}\n{FIX}"
+    )
+
+
+# -- debug mode: a mismatch raises on every rank of the group, before anything is sent -------------
+
+
+def _rank_disagreements(X):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = {}
+
+    def attempt(name, mesh, spec, f):
+        def debugged(x):
+            with fs.debug():
+                return f(x)
+
+        try:
+            out[name] = ("value", fs.shard_map(debugged, mesh=mesh, in_specs=spec, out_specs=spec)(X).local)
+        except fs.CollectiveError as err:
+            out[name] = ("error", str(err))
+
+    dp = fs.Mesh(dp=4)
+
+    def skip(x):
+        a = fs.psum(x, "dp") if rank != 2 else x  # skip-first
+        return fs.psum(a, "dp") * 1.0  # skip-second
+
+    def other_op(x):
+        return fs.all_gather(x, "dp", dim=0, tiled=True)[:4] if rank == 2 else fs.psum(x, "dp")  # other-op
+
+    def other_size(x):
+        return fs.all_gather(x[:1], "dp", dim=0, tiled=True) if rank == 2 else fs.psum(x, "dp")  # other-size
+
+    def other_async(x):
+        if rank == 2:
+            pending = fs.psum_scatter(x, "dp", dim=0, tiled=True, async_op=True)  # async-scatter
+            return pending.wait().repeat(4)
+        return fs.all_gather(x, "dp", dim=0, tiled=True, async_op=True).wait()[:4]  # async-gather
+
+    for name, f in (
+        ("skip", skip),
+        ("other_op", other_op),
+        ("other_size", other_size),
+        ("async", other_async),
+    ):
+        attempt(name, dp, "(dp b)", f)
+
+    mesh2 = fs.Mesh(dp=2, tp=2)
+
+    def skip_tp(x):
+        a = fs.psum(x, "tp") if rank != 2 else x  # tp-first
+        return fs.psum(a * 2.0, "tp")  # tp-second
+
+    attempt("skip_tp", mesh2, "(dp tp b)", skip_tp)
+
+    def agree(x):  # the same collectives on every rank, different values: no false alarm
+        return fs.all_gather(fs.psum(x, "dp"), "dp", dim=0, tiled=True, async_op=True).wait()[:4]
+
+    attempt("agree", dp, "(dp b)", agree)
+    return out
+
+
+def test_disagreeing_collectives_raise_on_every_rank_of_the_group_before_sending():
+    X = torch.arange(16.0)
+    start = time.monotonic()
+    got = run_ranks(4, _rank_disagreements, X)
+    assert time.monotonic() - start < BOUND
+    f32 = "float32 (4,)"
+    world = "ranks 0, 1, 2, 3"
+
+    def at(marker):
+        return f"at {HERE}:{_line(marker)}"
+
+    expected = {
+        "skip": _desync_message(
+            "dp",
+            world,
+            [
+                ("ranks 0, 1, 3", f"#1 all_reduce (fs.psum) over dp of {f32} {at('skip-first')}"),
+                ("rank 2", f"#1 all_reduce (fs.psum) over dp of {f32} {at('skip-second')}"),
+            ],
+        ),
+        "other_op": _desync_message(
+            "dp",
+            world,
+            [
+                ("ranks 0, 1, 3", f"#2 all_reduce (fs.psum) over dp of {f32} {at('other-op')}"),
+                ("rank 2", f"#2 all_gather (fs.all_gather) over dp of {f32} {at('other-op')}"),
+            ],
+        ),
+        "other_size": _desync_message(
+            "dp",
+            world,
+            [
+                ("ranks 0, 1, 3", f"#3 all_reduce (fs.psum) over dp of {f32} {at('other-size')}"),
+                ("rank 2", f"#3 all_gather (fs.all_gather) over dp of float32 (1,) {at('other-size')}"),
+            ],
+        ),
+        "async": _desync_message(
+            "dp",
+            world,
+            [
+                ("ranks 0, 1, 3", f"#4 all_gather (fs.all_gather) over dp of {f32} {at('async-gather')}"),
+                # the shape handed to the collective: x split into one block per rank
+                (
+                    "rank 2",
+                    f"#4 reduce_scatter (fs.psum_scatter) over dp of float32 (4, 1) {at('async-scatter')}",
+                ),
+            ],
+        ),
+    }
+    for name, message in expected.items():
+        assert got[0][name] == ("error", message), name
+        assert all(got[r][name] == ("error", message) for r in range(4)), name  # the same on every rank
+    # 2-axis mesh: only rank 2's tp group (ranks 2, 3) disagrees; ranks 0, 1 get the right value.
+    tp_message = _desync_message(
+        "tp",
+        "ranks 2, 3",
+        [
+            ("rank 2", f"#1 all_reduce (fs.psum) over tp of {f32} {at('tp-second')}"),
+            ("rank 3", f"#1 all_reduce (fs.psum) over tp of {f32} {at('tp-first')}"),
+        ],
+    )
+    assert [g["skip_tp"][0] for g in got] == ["value", "value", "error", "error"]
+    assert got[2]["skip_tp"][1] == got[3]["skip_tp"][1] == tp_message
+    blocks = X.reshape(2, 2, 4)  # [dp, tp, b]: each dp row's tp blocks summed, twice (times 2)
+    want = (blocks.sum(1, keepdim=True) * 2 * 2).expand(2, 2, 4)  # psum(psum(x) * 2) = 2 * 2 * sum
+    for r in (0, 1):  # rank r is at dp=0, tp=r
+        torch.testing.assert_close(got[r]["skip_tp"][1], want[0, r])
+    # Agreeing ranks pass the check: the all-gathered psum is the global sum of every block, 4 times.
+    total = X.reshape(4, 4).sum(0)
+    for r in range(4):
+        assert got[r]["agree"][0] == "value"
+        torch.testing.assert_close(got[r]["agree"][1], total)
+
+
+# -- a rank stuck outside a collective: hang report, timeout error, launcher -------------------------
+
+STUCK_SCRIPT = """
+import time, torch
+import torch.distributed as dist
+import fshard as fs
+
+fs.init(timeout=6, hang_report=2)
+mesh = fs.Mesh(dp=2, tp=2)
+
+@fs.shard_map(mesh=mesh, in_specs="(dp tp b)", out_specs="b")
+def total(x):
+    return fs.psum(x, ("dp", "tp"))
+
+x = torch.arange(8.0)
+print(total(x).tolist(), flush=True)
+if dist.get_rank() == 2:
+    print(f"sleeping at t={time.time():.3f}", flush=True)
+    time.sleep(60)  # stuck in its own data loading
+print(total(x).tolist(), flush=True)
+"""
+
+
+def _clean_env():
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def test_fshard_run_names_the_rank_that_did_not_arrive(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-m", "fshard.run", "-n", "4", str(script)],
+        env=_clean_env(),
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    slept = float(re.search(r"sleeping at t=([0-9.]+)", out.stdout).group(1))
+    assert time.time() - slept < BOUND, out.stderr  # the 6 s timeout, not the 60 s sleep
+    assert out.returncode == 1, out.stderr
+    assert out.stdout.count("[12.0, 16.0]") == 4  # the first psum, on every rank
+    src = STUCK_SCRIPT.splitlines()
+    at_psum, at_sleep = (
+        next(i + 1 for i, t in enumerate(src) if t.lstrip().startswith(s)) for s in ("return", "time")
+    )
+    psum = f"#2 all_reduce (fs.psum) over dp,tp of float32 (2,) at stuck.py:{at_psum}"
+    # The hang report of a waiting rank (every waiting rank prints one; rank 0 is among them).
+    report = re.search(r"fshard: rank 0 has waited \d+ s in (.*)\n((?:  .*\n)+)", out.stderr)
+    assert report is not None, out.stderr
+    assert report.group(1) == f"{psum} (over ranks 0, 1, 2, 3); rank 2 of the group has not arrived:"
+    lines = report.group(2).splitlines()
+    waiting = f"is waiting in {psum} for"
+    assert [line.split(" for ")[0] for line in lines[:2]] == [
+        f"  rank 0: {waiting[:-4]}",
+        f"  rank 1: {waiting[:-4]}",
+    ]
+    assert lines[2] == (
+        f"  rank 2: last finished #1 all_reduce (fs.psum) over dp,tp of float32 (2,) at stuck.py:{at_psum} and is at "
+        f"stuck.py:{at_sleep} in <module>: time.sleep(60)  # stuck in its own data loading"
+    )
+    assert lines[3] == (
+        f'      File "{script}", line {at_sleep}, in <module>: time.sleep(60)  # stuck in its own data loading'
+    )
+    assert lines[4].startswith(f"  rank 3: {waiting} ")
+    # The error that ends the wait names rank 2; so does the launcher's last line.
+    assert re.search(
+        rf"fshard\.CollectiveError: rank \d timed out after \d+ s waiting in {re.escape(psum)} \(over ranks "
+        r"0, 1, 2, 3\): rank 2 did not arrive \(rank 2 last finished #1 all_reduce \(fs\.psum\) over dp,tp of "
+        rf"float32 \(2,\) at stuck\.py:{at_psum} and is at stuck\.py:{at_sleep} in <module>: time\.sleep\(60\)  # stuck in its "
+        r"own data loading\)\. Every rank of a group must reach each of its collectives within the timeout "
+        r"\(fs\.init\(timeout=\.\.\.\)\): look for work the missing rank does alone \(data loading, evaluation "
+        r"or saving on one rank\), or a collective it skipped\n",
+        out.stderr,
+    ), out.stderr
+    launcher = [line for line in out.stderr.splitlines() if line.startswith("fshard.run:")]
+    assert len(launcher) == 1, out.stderr
+    assert re.fullmatch(
+        rf"fshard\.run: rank 2 \(pid \d+\) did not arrive at {re.escape(psum)}, where rank \d timed out "
+        r"waiting for it after \d+ s; terminating it and the \d other running rank\(s\)",
+        launcher[0],
+    ), out.stderr
+
+
+def _rank_stuck_before_async_gather():
+    import torch.distributed as dist
+
+    fs.init(hang_report=2)  # the world exists: only the hang-report threshold is set
+    mesh = fs.Mesh(dp=2)
+
+    def f(x):
+        if dist.get_rank() == 1:
+            time.sleep(20)  # stuck-in-pool
+        return fs.all_gather(x, "dp", dim=0, tiled=True, async_op=True).wait()  # pool-gather
+
+    return fs.shard_map(f, mesh=mesh, in_specs="(dp b)", out_specs="b")(torch.arange(4.0))
+
+
+def test_rank_pool_names_the_rank_that_did_not_arrive_at_an_async_collective():
+    with RankPool(2, collective_timeout=6) as pool:
+        start = time.monotonic()
+        with pytest.raises(RankError) as info:
+            pool.run(_rank_stuck_before_async_gather, timeout=60)
+        assert time.monotonic() - start < BOUND
+    gather = f"#1 all_gather (fs.all_gather) over dp of float32 (2,) at {HERE}:{_line('pool-gather')}"
+    stuck = f"{HERE}:{_line('stuck-in-pool')} in f: time.sleep(20)  # stuck-in-pool"
+    first = str(info.value).splitlines()[0]
+    assert re.fullmatch(
+        rf"rank 0 \(of 2\) raised fshard\.CollectiveError: rank 0 timed out after \d+ s waiting in {re.escape(gather)} "
+        rf"\(over ranks 0, 1\): rank 1 did not arrive \(rank 1 has finished no fshard collective and is at "
+        rf"{re.escape(stuck)}\)\. Every rank of a group must reach each of its collectives within the timeout "
+        r"\(fs\.init\(timeout=\.\.\.\)\): look for work the missing rank does alone \(data loading, evaluation "
+        r"or saving on one rank\), or a collective it skipped",
+        first,
+    ), first
+    assert "rank(s) [1] were still running" in str(info.value)
+
+
+def test_hang_report_must_be_a_positive_number():
+    with pytest.raises(fs.FshardError) as info:
+        fs.init(hang_report=0)
+    assert str(info.value) == (
+        "fshard.init(): hang_report must be a positive number of seconds (or None for no report), got 0"
+    )
