@@ -67,7 +67,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Autodiff", "", ["value_and_grad", "grad", "no_sync", "remat", "fsdp_scan"]),
     ("Modules", "", ["sync_buffers", "check_buffers"]),
     ("Counting collectives", "", ["count_collectives", "CollectiveCounts"]),
-    ("Launching", "", ["init", "launch", "RankPool"]),
+    ("Launching", "", ["init", "launch", "RankPool", "restart_count"]),
     ("Optimizers: `fs.optim`", "", ["optim"]),
     ("Randomness: `fs.random`", "", ["random"]),
     ("Checkpoints: `fs.checkpoint`", "", ["checkpoint"]),

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time, names load on f
     )
     from ._comm import CollectiveCounts, count_collectives
     from ._debug import debug
+    from ._env import restart_count
     from ._errors import (
         ArgumentError,
         CheckpointError,
@@ -95,6 +96,7 @@ _LAZY = {
     "RankPool": "_launch",
     "init": "_launch",
     "launch": "_launch",
+    "restart_count": "_env",
     "Layout": "_layout",
     "Mesh": "_mesh",
     "check_buffers": "_modules",
@@ -175,6 +177,7 @@ __all__ = [
     "init",
     "launch",
     "RankPool",
+    "restart_count",
     # nn.Module buffers
     "sync_buffers",
     "check_buffers",

@@ -32,6 +32,7 @@ from ._errors import FshardError
 HOST = "127.0.0.1"
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where a rank records the exception that ended it
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # how many times the launcher restarted the ranks
 EXIT_BARRIER_TIMEOUT = 30.0  # seconds the at-exit barrier waits at most (half init's timeout if shorter)
 EXIT_AFTER_ERROR = 10.0  # seconds a rank that raised may spend in interpreter shutdown
 RENDEZVOUS_TIMEOUT = 300.0  # seconds to join a world at least: ranks may start seconds apart
@@ -288,6 +289,57 @@ def collective_timeout() -> timedelta | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# restarts
+
+
+def restart_count() -> int:
+    """How many times the launcher has restarted this run's ranks: 0 on the first attempt.
+
+    Read from ``TORCHELASTIC_RESTART_COUNT``, which ``python -m fshard.run --max-restarts N``
+    and ``torchrun --max-restarts N`` set for every rank (0 when it is unset, e.g. under
+    `fs.launch` or as a plain script). A restarted rank starts the script from the top: resume
+    from the latest checkpoint (``fshard.checkpoint.latest_step``) rather than from this number.
+
+    Examples:
+        >>> import fshard as fs
+        >>> fs.restart_count()          # under `python -m fshard.run --max-restarts 3`, after a failure: 1
+        0
+    """
+    text = os.environ.get(RESTART_COUNT_ENV, "")
+    try:
+        return max(0, int(text))
+    except ValueError:
+        return 0
+
+
+def attempt_store(world_size: int) -> Any:
+    """The rendezvous store of this attempt, or None when ``env://`` already gives a fresh one.
+
+    When the launcher hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun with the
+    c10d or static rendezvous), that store outlives the ranks: after a restart it still holds the
+    keys the previous attempt's ranks wrote, among them the addresses gloo's ``connectFullMesh``
+    reads to connect to its peers. A new rank that reads a dead peer's address gets "Connection
+    refused" and fails the restart; which address it reads first is a race. Every attempt
+    therefore joins under a prefix of its own (run id and restart count), so no key of a previous
+    attempt is ever read. When rank 0 hosts the store (``python -m fshard.run``, which also picks
+    a new port per attempt), the store dies with the attempt and ``env://`` is used as is.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        False,
+        timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT),
+    )
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return dist.PrefixStore(f"fshard/{run_id}/attempt_{restart_count()}/", store)
+
+
+# --------------------------------------------------------------------------------------------------
 # init
 
 
@@ -373,7 +425,13 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "nccl" in backend and "LOCAL_RANK" not in present:
         local_rank = rank % max(1, torch.cuda.device_count())
-    init_process_group(backend, local_rank=local_rank, timeout=timeout)
+    store = attempt_store(world_size)
+    if store is None:
+        init_process_group(backend, local_rank=local_rank, timeout=timeout)
+    else:
+        init_process_group(
+            backend, local_rank=local_rank, timeout=timeout, store=store, rank=rank, world_size=world_size
+        )
     _start_watchdog(hang_report)
     # Half the collective timeout: a rank that left early (sys.exit(3)) while its peers wait for
     # it in a collective gives up on them before they give up on it, so it is seen to fail first.

@@ -20,6 +20,14 @@ exits: the launcher names that rank, and its exception, even when ranks that wer
 in a collective exit first. SIGINT/SIGTERM sent to the launcher are forwarded to the ranks (a
 second signal kills them).
 
+With ``--max-restarts N``, a failed attempt is not the end: every rank is stopped, and after a
+short pause (1 s, doubling up to 30 s) all of them start again from the top of the script, on a
+fresh rendezvous (a new port, unless ``--master-port`` is given, and so a new store), up to ``N``
+times. Each rank sees the attempt number as ``TORCHELASTIC_RESTART_COUNT`` (0, 1, ...), as under
+``torchrun --max-restarts N``, and through ``fs.restart_count()``; a restarted script resumes
+from its latest checkpoint (``fshard.checkpoint.latest_step``). A launcher interrupted by
+SIGINT/SIGTERM never restarts.
+
 The launcher itself does not import torch.
 """
 
@@ -47,6 +55,8 @@ _KILL_AFTER_SIGNAL = 10.0  # seconds ranks get to handle a forwarded SIGINT/SIGT
 _WAIT_FOR_CULPRIT = 2.0  # seconds to wait for the rank that caused the failures seen so far
 _RANK_MEMORY = 230 * 2**20  # resident memory of an idle rank: an interpreter with torch imported
 _RANKS_PER_CPU = 4  # beyond this many ranks per CPU, start-up and collectives crawl
+_RESTART_BACKOFF = 1.0  # seconds before the first restart; doubled for each further one
+_RESTART_BACKOFF_MAX = 30.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,14 +78,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prefix", action="store_true", help="prefix every output line with [rankR]:")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart every rank up to this many times after a failure (default 0)",
+    )
     parser.add_argument("script", metavar="SCRIPT", help="script path (or module name with -m)")
     parser.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="script arguments")
     return parser
 
 
-def _rank_env(rank: int, nprocs: int, port: int, run_id: str, error_file: str) -> dict[str, str]:
+def _rank_env(
+    rank: int, nprocs: int, port: int, run_id: str, error_file: str, attempt: int = 0, max_restarts: int = 0
+) -> dict[str, str]:
     env = dict(os.environ)
     env.update(torchrun_env(rank, nprocs, port, agent_store=False, run_id=run_id))
+    env.update(_restart_env(attempt, max_restarts))
     env[ERROR_FILE_ENV] = error_file
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -212,13 +231,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if opts.nprocs < 1:
         parser.error("--nprocs must be >= 1")
+    if opts.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
     if not opts.module and not os.path.exists(opts.script):
         parser.error(f"no such script: {opts.script}")
     for warning in _capacity_warnings(opts.nprocs, *_machine()):
         print(warning, file=sys.stderr, flush=True)
-    port = opts.master_port if opts.master_port is not None else free_port()
     cmd = [sys.executable, *(["-m"] if opts.module else []), opts.script, *opts.script_args]
     run_id = f"fshard-{uuid.uuid4().hex[:12]}"
+    return _restarting(opts.nprocs, opts.max_restarts, lambda attempt: _attempt(opts, cmd, run_id, attempt))
+
+
+def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int) -> tuple[int, bool]:
+    """Run every rank once: ``(exit code, whether the launcher was interrupted by a signal)``."""
+    port = opts.master_port if opts.master_port is not None else free_port()  # a fresh store each attempt
     preexec = _death_signal_preexec()
     error_dir = tempfile.mkdtemp(prefix="fshard-run-")
     error_files = [os.path.join(error_dir, f"rank{rank}.json") for rank in range(opts.nprocs)]
@@ -242,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             old_handlers[sig] = signal.signal(sig, forward)
         for rank in range(opts.nprocs):
-            env = _rank_env(rank, opts.nprocs, port, run_id, error_files[rank])
+            env = _rank_env(rank, opts.nprocs, port, run_id, error_files[rank], attempt, opts.max_restarts)
             kwargs: dict = {"env": env, "preexec_fn": preexec}
             if opts.prefix:
                 env["PYTHONUNBUFFERED"] = "1"
@@ -297,17 +323,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kill_at = float("inf")
             time.sleep(0.05)
         if received:
-            return 128 + received[0]
+            return 128 + received[0], True
         if blamed is None and any(codes):  # failures seen only at the last poll
             blamed, what = _root_cause(codes, error_files, final=True)  # type: ignore[misc]
             print(f"fshard.run: rank {blamed} (pid {procs[blamed].pid}) {what}", file=sys.stderr, flush=True)
         if blamed is None:
-            return 0
+            return 0, False
         # The blamed rank's code; if it somehow exited with 0 after recording, or was stopped by the
         # launcher for not arriving, the first failure's.
         if stuck:
-            return exit_status(next((c for rank, c in enumerate(codes) if c and rank != blamed), 1))
-        return exit_status(codes[blamed] or next(code for code in codes if code))
+            return exit_status(next((c for rank, c in enumerate(codes) if c and rank != blamed), 1)), False
+        return exit_status(codes[blamed] or next(code for code in codes if code)), False
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -323,6 +349,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         for old_sig, handler in old_handlers.items():
             signal.signal(old_sig, handler)  # type: ignore[arg-type]
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# restarts
+
+
+def _restart_env(attempt: int, max_restarts: int) -> dict[str, str]:
+    """What a rank of attempt ``attempt`` (0 first) is told, as torchrun tells it."""
+    return {"TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+
+
+def _backoff(restart: int) -> float:
+    """Seconds to wait before restart number ``restart`` (1 first): 1, 2, 4, ... up to 30."""
+    return min(_RESTART_BACKOFF * 2 ** (restart - 1), _RESTART_BACKOFF_MAX)
+
+
+def _restarting(nprocs: int, max_restarts: int, run_attempt) -> int:
+    """Run attempts (``run_attempt(attempt) -> (code, interrupted)``) until one succeeds, the
+    launcher is interrupted, or ``max_restarts`` restarts have failed; return the last code."""
+    attempt = 0
+    while True:
+        code, interrupted = run_attempt(attempt)
+        if code == 0 or interrupted or max_restarts == 0:
+            return code
+        if attempt == max_restarts:
+            print(
+                f"fshard.run: giving up: the last of {max_restarts} restart(s) failed too",
+                file=sys.stderr,
+                flush=True,
+            )
+            return code
+        attempt += 1
+        delay = _backoff(attempt)
+        print(
+            f"fshard.run: restarting all {nprocs} rank(s) in {delay:g} s "
+            f"(restart {attempt} of {max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            time.sleep(delay)
+        except KeyboardInterrupt:
+            return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

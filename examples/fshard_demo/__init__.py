@@ -29,6 +29,9 @@ itself on ``--nprocs`` local ranks with ``python -m fshard.run``)::
     fshard-demo --out run1 --stop-after 400
     fshard-demo --out run1 --resume --dp 1 --tp 4
 
+    # after a failure, restart every rank (up to 2 times): they resume from the latest checkpoint
+    fshard-demo --max-restarts 2
+
 Layouts (``--layout``): ``dp_tp`` (default: Megatron TP over tp, data parallel over dp),
 ``fsdp_tp`` (the same, with every parameter and its optimizer state also split over dp and
 all-gathered inside the step), ``dp`` (pure data parallel), ``fsdp`` (pure FSDP).

@@ -44,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--ckpt-every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     add(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="when run as a plain process: restart every rank up to N times after a failure, "
+        "resuming from the latest checkpoint",
+    )
+    add(
         "--check-reference",
         action="store_true",
         help="then train the same steps in one process and compare every loss (exit 1 if they differ)",
@@ -143,5 +150,6 @@ def main(argv=None) -> int:
 
         _validate(args, args.nprocs)  # report a bad configuration once, before starting any rank
         os.environ["PYTHONPATH"] = child_pythonpath(os.environ.get("PYTHONPATH"))
-        return run_main(["-n", str(args.nprocs), "-m", __package__, *argv])
+        restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
+        return run_main(["-n", str(args.nprocs), *restarts, "-m", __package__, *argv])
     return _run_rank(args)

@@ -168,9 +168,10 @@ def _run_key(args, cfg: Config) -> dict:
 
 
 def _start_or_resume(args, state, metrics, mesh_text, show):
-    """Resume from the latest checkpoint (``--resume``) or clear old ones: ``(state, start, metrics)``."""
+    """Resume from the latest checkpoint (``--resume``, or by itself when a launcher restarted the
+    ranks after a failure: ``fs.restart_count() > 0``) or clear old ones: ``(state, start, metrics)``."""
     ckpt_dir = os.path.join(args.out, "ckpt")
-    if not args.resume:
+    if not args.resume and fs.restart_count() == 0:  # after a launcher's restart, always resume
         if show and os.path.isdir(ckpt_dir):
             if checkpoint.latest_step(ckpt_dir) is not None:
                 print(
