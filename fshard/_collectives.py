@@ -37,7 +37,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import _comm, _vma
+from . import _comm, _scalars, _vma
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
 from ._layout import chunk_sizes
@@ -93,7 +93,7 @@ def _is_number(x) -> bool:
 
 def _is_tracked_number(x) -> bool:
     """A Python number that varies over mesh axes (`VaryingInt`, `VaryingFloat`)."""
-    return type(x) is _vma.VaryingInt or type(x) is _vma.VaryingFloat
+    return type(x) is _scalars.VaryingInt or type(x) is _scalars.VaryingFloat
 
 
 def _psum_number(x, axis, where: str):
@@ -102,8 +102,8 @@ def _psum_number(x, axis, where: str):
     tr = _vma.current(where)
     g = tr.mesh.axis_group(axis, where)
     bits = tr.mesh.bits(g.names)
-    v = _vma._scan(x, tr.id)
-    value = _vma.plain(x)
+    v = _scalars._scan(x, tr.id)
+    value = _scalars.plain(x)
     vary = bits & v
     if vary:
         ga = tr.mesh.axis_group(tr.mesh.names_of(vary), where)
@@ -114,7 +114,7 @@ def _psum_number(x, axis, where: str):
     inv = bits & ~v
     if inv:
         value = value * math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv))
-    return _vma._varying_scalar(value, tr.id, v & ~bits), g.size
+    return _scalars._varying_scalar(value, tr.id, v & ~bits), g.size
 
 
 def _axis_name_alias(fn):

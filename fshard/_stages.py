@@ -21,7 +21,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _debug, _vma, _watchdog
+from . import _comm, _debug, _scalars, _vma, _watchdog
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError, SpecError, TracingError
 from ._mesh import Mesh
@@ -466,7 +466,7 @@ def switch(index, branches, *operands):
     # branches' types): the index's axes and every axis an operand varies over.
     union = bits
     for x in flat:
-        union |= _vma.get(x, tr) if isinstance(x, _Tensor) else _vma._scan(x, tr.id)
+        union |= _vma.get(x, tr) if isinstance(x, _Tensor) else _scalars._scan(x, tr.id)
     grad = torch.is_grad_enabled()
     diff = [k for k, x in enumerate(flat) if isinstance(x, _Tensor) and x.requires_grad] if grad else []
     token = None
@@ -526,7 +526,7 @@ def _index_value(index, tr) -> tuple[int, int]:
         with untracked():
             return int(index.item()), bits
     if isinstance(index, int) and not isinstance(index, bool):
-        return _vma.plain(index), _vma._scan(index, tr.id)
+        return _scalars.plain(index), _scalars._scan(index, tr.id)
     raise ArgumentError(
         f"fs.switch: index must be an integer scalar (fs.axis_index(...) or an int), got {type(index).__name__}"
     )
@@ -546,10 +546,10 @@ def _tag_outputs(out, tr, bits: int):
             with untracked():
                 v = x.view_as(x)
             return _vma.tag(v, tr, have | bits)
-        if isinstance(x, (int, float, _vma.VaryingFloat)) and not isinstance(x, bool):
-            base = _vma.plain(x)
+        if isinstance(x, (int, float, _scalars.VaryingFloat)) and not isinstance(x, bool):
+            base = _scalars.plain(x)
             base = int(base) if isinstance(base, int) else float(base)
-            return _vma._varying_scalar(base, tr.id, bits | _vma._scan(x, tr.id))
+            return _scalars._varying_scalar(base, tr.id, bits | _scalars._scan(x, tr.id))
         return x
 
     return optree.tree_map(one, out)

@@ -26,8 +26,16 @@ from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
 from ._primitives import Pvary, apply
+from ._scalars import (
+    _ATTR,
+    _CARRIERS,
+    _plain_args,
+    _scan,
+    _stack,
+    _varying_axes_text,
+    _varying_scalar,
+)
 
-_ATTR = "_fshard_vma"
 _Tensor = torch.Tensor
 
 
@@ -75,9 +83,6 @@ class Trace:
         finally:
             _stack.pop()
             self.pvary_cache.clear()
-
-
-_stack: list[Trace] = []
 
 
 def current(where: str) -> Trace:
@@ -297,250 +302,6 @@ class VmaMode(TorchFunctionMode):
         return out
 
 
-# -- values that carry a mask without being tensors ------------------------------------------
-# `.item()`, `.tolist()` and, in calls with uneven blocks, the shapes of varying tensors give
-# tracked Python numbers. Arithmetic, round() and math.floor/ceil/trunc keep them tracked; torch
-# ops receive them through VmaMode (which reads their masks and hands torch the plain values).
-# What would turn them into untracked Python values (int(), float(), the math functions, which
-# call float(), bool(), comparisons) raises a TracingError while the call that made them runs.
-
-
-def _scalar_bits(x) -> int:
-    tag = getattr(x, _ATTR, None)
-    return tag[1] if tag is not None else 0
-
-
-def plain(x):
-    """The exact Python number of a tracked one (``x`` itself otherwise): for fshard's own code,
-    which reads the value without the checks `VaryingInt` and `VaryingFloat` make."""
-    tp = type(x)
-    if tp is VaryingInt:
-        return int.__int__(x)
-    if tp is VaryingFloat:
-        return x._value
-    return x
-
-
-def _wrap_result(name: str):
-    """Operation ``name`` of a tracked number: the same operation on the plain values, tracked."""
-
-    def op(self, *others):
-        vals = []
-        bits = _scalar_bits(self)
-        for o in others:
-            tp = type(o)
-            if tp is VaryingInt or tp is VaryingFloat:
-                bits |= _scalar_bits(o)
-                vals.append(plain(o))
-            elif tp is int or tp is float or tp is bool or o is None:  # None: round(v, None)
-                vals.append(o)
-            else:
-                return NotImplemented  # e.g. a tensor: its reflected op runs, under VmaMode
-        base = plain(self)
-        fn = getattr(type(base), name, None)
-        out = NotImplemented if fn is None else fn(base, *vals)
-        if out is NotImplemented and type(base) is int and hasattr(float, name):
-            out = getattr(float, name)(float(base), *vals)  # int op float: as Python does
-        if out is NotImplemented:
-            return out
-        tid = self._fshard_vma[0]
-        if type(out) is tuple:  # divmod
-            return tuple(_varying_scalar(y, tid, bits) for y in out)
-        return _varying_scalar(out, tid, bits)
-
-    op.__name__ = name
-    return op
-
-
-def _owner(self, others) -> tuple[Trace, int] | None:
-    """The running trace that made a tracked operand, and the operands' axes (None: stale tags)."""
-    bits = 0
-    tid = None
-    for x in (self, *others):
-        tag = getattr(x, _ATTR, None)
-        if tag is not None and tag[1]:
-            bits |= tag[1]
-            tid = tag[0]
-    for tr in reversed(_stack):
-        if tr.id == tid:
-            return tr, bits
-    return None
-
-
-_SCALAR_UNTRACKABLE = (
-    "gives a plain Python value fshard cannot track (a value built from it would count as the same on "
-    "every rank); keep the tracked number (its arithmetic, round(), math.floor/ceil/trunc and its use as "
-    "an argument of torch ops, e.g. torch.tensor(v, dtype=torch.float32), are tracked), or keep it a tensor"
-)
-_SCALAR_REFUSED = {  # what leaves tracking -> the message after "... varies over mesh {axes} "
-    "__bool__": (
-        "bool() of",
-        "(a Python if, while, and/or, or assert on it) takes a different branch on each rank, which fshard "
-        "cannot track; select between values with torch.where(cond, a, b) on tensors (torch.tensor(v)), or "
-        "branch on plain ints from the mesh (mesh.axis_index(...)) for per-rank side effects such as logging",
-    ),
-    "compare": (
-        "a comparison (<, <=, >, >=, ==, !=) of",
-        "gives a plain bool (a Python if on it takes a different branch on each rank), which fshard cannot "
-        "track; compare tensors instead (torch.tensor(v) > 0 is tracked) and select with "
-        "torch.where(cond, a, b)",
-    ),
-    "__int__": ("int() of", _SCALAR_UNTRACKABLE),
-    "__float__": ("float() (or a math function) of", _SCALAR_UNTRACKABLE),
-    "__index__": ("a Python index from", _SCALAR_UNTRACKABLE),
-    "__complex__": ("complex() of", _SCALAR_UNTRACKABLE),
-}
-_COMPARE = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__")
-
-
-def _refuse_scalar(name: str):
-    """Operation ``name`` of a tracked number: a TracingError while its call runs, else plain."""
-    what, rest = _SCALAR_REFUSED["compare" if name in _COMPARE else name]
-
-    def op(self, *others):
-        hit = _owner(self, others)
-        if hit is None:  # made by a call that has returned: a plain number
-            base = plain(self)
-            return getattr(type(base), name)(base, *[plain(o) for o in others])
-        tr, bits = hit
-        word, axes = _varying_axes_text(tr, bits)
-        raise TracingError(
-            f"fs.shard_map({tr.where}): {what} a Python number that varies over mesh {word} {axes} {rest}"
-        )
-
-    op.__name__ = name
-    return op
-
-
-class VaryingInt(int):
-    """A Python int that varies over some mesh axes: ``i.item()``, ``i.tolist()`` of a varying tensor,
-    and in calls with uneven blocks the shape of a varying tensor (``x.shape[0]``, ``x.size(0)``,
-    ``x.numel()``).
-
-    It is an int (a torch.Size can hold it); torch ops that receive it (as an argument, a slice
-    bound or in an index tuple), arithmetic, round() and math.floor/ceil/trunc keep its varying
-    axes, so ``x[i * n:(i + 1) * n]`` and ``torch.tensor(x.shape[0])`` are tracked and
-    ``fs.psum(n, axis)`` sums it over the ranks. ``int()``, ``float()`` (and the math functions that
-    call it), ``bool()`` and comparisons raise `fs.TracingError` inside the call that made it.
-
-    Examples:
-        >>> n = x.shape[0]                       # 3, 3, 3, 1 for 10 rows over 4 ranks
-        >>> total = fs.psum(n, "dp")             # 10 on every rank
-    """
-
-    _fshard_vma: tuple[int, int]
-    __hash__ = int.__hash__
-
-
-class VaryingFloat:
-    """A Python number that varies over some mesh axes: ``t.item()`` of a varying float tensor, or
-    arithmetic mixing a `VaryingInt` and a float.
-
-    Not a float subclass: Python's math functions read a float subclass's value without asking
-    it, so this one holds its value and refuses, inside the call that made it, every way out of
-    tracking (``float()``, ``math.sqrt(v)``, ``int()``, ``bool()``, comparisons) with
-    `fs.TracingError`. Arithmetic, round() and math.floor/ceil/trunc stay tracked; torch ops
-    receive the plain value. ``str(v)``, ``repr(v)`` and ``f"{v:.3f}"`` format the value (for
-    logging: the one way it leaves tracking).
-
-    Examples:
-        >>> loss = x.sum().item()                # a VaryingFloat when x varies
-        >>> t = torch.tensor(loss * 2.0)         # tracked: varies like x
-    """
-
-    __slots__ = ("_value", "_fshard_vma")
-    _fshard_vma: tuple[int, int]
-
-    def __init__(self, value: float):
-        self._value = float(value)
-
-    def __repr__(self) -> str:
-        return repr(self._value)
-
-    __str__ = __repr__
-
-    def __format__(self, spec: str) -> str:
-        return format(self._value, spec)
-
-    def __hash__(self) -> int:
-        return hash(self._value)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # Makes torch's argument parser hand ops with this operand to VmaMode (``x * v``); outside
-        # the call that made it, the op runs on the plain value.
-        return func(*_plain_args(args), **{k: _plain_args(v) for k, v in (kwargs or {}).items()})
-
-
-_ARITH = (
-    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __floordiv__ __rfloordiv__ __truediv__ "
-    "__rtruediv__ __mod__ __rmod__ __divmod__ __rdivmod__ __pow__ __rpow__ __neg__ __pos__ __abs__ "
-    "__and__ __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__ __rlshift__ __rshift__ __rrshift__ "
-    "__invert__ __round__ __floor__ __ceil__ __trunc__"
-).split()
-for _name in _ARITH:
-    if hasattr(int, _name):
-        setattr(VaryingInt, _name, _wrap_result(_name))
-    if hasattr(float, _name):
-        setattr(VaryingFloat, _name, _wrap_result(_name))
-for _name in (*_COMPARE, "__bool__", "__int__", "__float__", "__index__", "__complex__"):
-    setattr(VaryingInt, _name, _refuse_scalar(_name))
-    if _name not in ("__index__", "__complex__"):
-        setattr(VaryingFloat, _name, _refuse_scalar(_name))
-del _name
-
-
-def _varying_scalar(value, tid: int, bits: int):
-    """``value`` (a Python number) carrying ``bits``; plain when ``bits`` is 0 or it is no number."""
-    if not bits or type(value) is bool:
-        return value
-    out: VaryingInt | VaryingFloat
-    if type(value) is int:
-        out = VaryingInt(value)
-    elif type(value) is float:
-        out = VaryingFloat(value)
-    else:
-        return value
-    out._fshard_vma = (tid, bits)
-    return out
-
-
-_CARRIERS = frozenset((VaryingInt, VaryingFloat, slice, list, tuple, torch.Size))
-
-
-def _scan(x, tid: int) -> int:
-    """The mask carried by a scalar, a slice, or a (nested) list/tuple of either or of tensors."""
-    tp = type(x)
-    if tp is VaryingInt or tp is VaryingFloat:
-        tag = x._fshard_vma
-        return tag[1] if tag[0] == tid else 0
-    if tp is slice:
-        return _scan(x.start, tid) | _scan(x.stop, tid) | _scan(x.step, tid)
-    if tp is list or tp is tuple or tp is torch.Size:
-        bits = 0
-        for y in x:
-            bits |= _scan(y, tid)
-        return bits
-    if isinstance(x, _Tensor):
-        tag = getattr(x, _ATTR, None)
-        return tag[1] if tag is not None and tag[0] == tid else 0
-    return 0
-
-
-def _plain_args(x):
-    """``x`` with tracked numbers replaced by their plain values (for torch, which reads them)."""
-    tp = type(x)
-    if tp is VaryingInt:
-        return int.__int__(x)
-    if tp is VaryingFloat:
-        return x._value
-    if tp is slice:
-        return slice(_plain_args(x.start), _plain_args(x.stop), _plain_args(x.step))
-    if tp is list or tp is tuple or tp is torch.Size:
-        return tp([_plain_args(y) for y in x])
-    return x
-
-
 # -- ops with their own rule ------------------------------------------------------------------
 
 
@@ -560,12 +321,6 @@ def _mark(x, tid: int, bits: int):
     if type(x) is list:
         return [_mark(y, tid, bits) for y in x]
     return _varying_scalar(x, tid, bits)
-
-
-def _varying_axes_text(tr: Trace, bits: int) -> tuple[str, str]:
-    axes = tr.mesh.names_of(bits)
-    word = "axis" if len(axes) == 1 else "axes"
-    return word, ", ".join(repr(a) for a in axes)
 
 
 _UNTRACKABLE = "gives a Python number fshard cannot track (a value built from it would count as the same on every rank); keep it a tensor (x.narrow(0, start, n), index_select, torch.where accept tensors), or use .item(), whose result is tracked in slices, arguments and arithmetic"

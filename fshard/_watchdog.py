@@ -39,6 +39,8 @@ import torch.distributed as dist
 from ._errors import CollectiveError
 
 _F = torch.ops._c10d_functional
+# _comm.untracked, spelled here because _comm imports this module (the import graph stays acyclic)
+_untracked = torch._C.DisableTorchFunction
 
 __all__: list[str] = []
 
@@ -179,9 +181,7 @@ def _crc(value: Any) -> int:
 
 def _gather_rows(row: list[int], group: Any, device, rec: tuple) -> list[list[int]]:
     """Every rank's ``row`` (one all-gather over ``group``, marked as a wait on ``rec``)."""
-    from ._comm import untracked
-
-    with untracked(), torch.no_grad():
+    with _untracked(), torch.no_grad():
         pg = group if group is not None else dist.group.WORLD
         n = dist.get_world_size(pg)
         t = torch.tensor(row, dtype=torch.int64, device=device)
