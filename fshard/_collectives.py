@@ -394,6 +394,8 @@ def all_gather(
     if not isinstance(x, torch.Tensor):
         _no_async_tree(async_op, "all_gather")
         return _all_gather_tree(x, axis, dim, tiled, invariant)
+    if async_op and not invariant and _transformed():
+        return _ready(all_gather(x, axis, dim, tiled))
     tr, g, bits, v = _prologue(x, axis, "all_gather")
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
@@ -480,6 +482,8 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
     if not isinstance(x, torch.Tensor):
         _no_async_tree(async_op, "psum_scatter")
         return _psum_scatter_tree(x, axis, dim, tiled)
+    if async_op and _transformed():
+        return _ready(psum_scatter(x, axis, dim, tiled))
     tr, g, bits, v = _prologue(x, axis, "psum_scatter")
     dim = _check_scatter(x, g, dim, tiled, "psum_scatter", uneven=not async_op)
     x = _vary(x, tr, v, bits)
@@ -520,6 +524,15 @@ class Pending:
             self._out = self._finish()
             self._finish = None
         return self._out
+
+
+_transformed = torch._C._are_functorch_transforms_active
+
+
+def _ready(y: torch.Tensor) -> Pending:
+    """``async_op=True`` under torch.func transforms (vmap, jvp, grad, ...): the collective ran
+    synchronously (a started collective could not be batched or differentiated forward)."""
+    return Pending(lambda: y)
 
 
 def _no_async_tree(async_op: bool, where: str) -> None:
@@ -606,6 +619,8 @@ def ppermute(x: _T, axis, perm, *, async_op: bool = False):
     if not isinstance(x, torch.Tensor):
         _no_async_tree(async_op, "ppermute")
         return _tree_map(lambda t: ppermute(t, axis, perm), x, axis, "ppermute")
+    if async_op and _transformed():
+        return _ready(ppermute(x, axis, perm))
     tr, g, bits, v = _prologue(x, axis, "ppermute")
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)

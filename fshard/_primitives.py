@@ -42,6 +42,7 @@ import torch
 
 from . import _comm
 from ._comm import untracked
+from ._errors import CollectiveError
 from ._mesh import AxisGroup
 
 __all__ = [
@@ -662,7 +663,17 @@ def _coalesced_out(bdims) -> tuple:
 # -- the ends of asynchronous collectives (``async_op=True``) ------------------------------
 #
 # The communication was started by a ``_comm.*_start`` function and is carried by ``handle``;
-# forward waits for it. The transposes are the synchronous collectives above.
+# forward waits for it. The transposes and the forward-mode rules are the synchronous collectives
+# above. Under torch.func transforms the public collectives run synchronously (a started
+# collective cannot be batched after the fact), so these Functions have no batching rule.
+
+
+def _no_vmap(where: str):
+    raise CollectiveError(
+        f"torch.func.vmap cannot batch an asynchronous fs.{where} started outside the vmap (the "
+        f"collective already moves the unbatched operand); start it inside the vmapped function, "
+        f"where async_op=True runs synchronously, or call fs.{where} without async_op"
+    )
 
 
 class PPermuteDone(torch.autograd.Function):
@@ -683,6 +694,15 @@ class PPermuteDone(torch.autograd.Function):
         inverse = tuple((d, s) for s, d in ctx.perm)
         return apply(PPermute, ct, ctx.g, inverse), None, None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(PPermute, x_t, ctx.g, ctx.perm)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        _no_vmap("ppermute")
+
 
 class AllGatherDone(torch.autograd.Function):
     """The end of an asynchronous all_gather; the transpose is a reduce-scatter."""
@@ -701,6 +721,15 @@ class AllGatherDone(torch.autograd.Function):
     def backward(ctx, ct):
         return apply(ReduceScatter, ct, *ctx.args), None, None, None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(AllGather, x_t, *ctx.args)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        _no_vmap("all_gather")
+
 
 class ReduceScatterDone(torch.autograd.Function):
     """The end of an asynchronous psum_scatter; the transpose is an all-gather."""
@@ -718,3 +747,12 @@ class ReduceScatterDone(torch.autograd.Function):
     @_untracked
     def backward(ctx, ct):
         return apply(AllGather, ct, *ctx.args), None, None, None, None
+
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(ReduceScatter, x_t, *ctx.args)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        _no_vmap("psum_scatter")
