@@ -31,6 +31,14 @@ packed into one flat buffer, moved with one collective and unpacked.
 Every Function has a separate ``setup_context``, so ``loss.backward()``,
 ``torch.autograd.grad``, ``torch.func.grad`` and ``torch.func.vjp`` all pass through. Outputs
 are never views of buffers made inside ``forward``, so users may update them in place.
+
+The other torch.func transforms go through two more staticmethods per Function. ``jvp``, the
+forward-mode rule: the collectives are linear, so the tangent goes through the same collective
+(pvary passes it through; pmax / pmin pass the tangent of the selected element, averaged among
+ties as the backward splits the cotangent). ``vmap``, the batching rule: the batch dim moves to
+the front, the collective's ``dim`` (``split_dim``, ``concat_dim``) shifts past it, and one
+collective moves the whole batch. So ``vmap``, ``jvp``, ``jacrev``, ``jacfwd`` and ``hessian``
+compose with shard_map, of it and inside it.
 """
 
 from __future__ import annotations
@@ -42,7 +50,6 @@ import torch
 
 from . import _comm
 from ._comm import untracked
-from ._errors import CollectiveError
 from ._mesh import AxisGroup
 
 __all__ = [
@@ -665,15 +672,7 @@ def _coalesced_out(bdims) -> tuple:
 # The communication was started by a ``_comm.*_start`` function and is carried by ``handle``;
 # forward waits for it. The transposes and the forward-mode rules are the synchronous collectives
 # above. Under torch.func transforms the public collectives run synchronously (a started
-# collective cannot be batched after the fact), so these Functions have no batching rule.
-
-
-def _no_vmap(where: str):
-    raise CollectiveError(
-        f"torch.func.vmap cannot batch an asynchronous fs.{where} started outside the vmap (the "
-        f"collective already moves the unbatched operand); start it inside the vmapped function, "
-        f"where async_op=True runs synchronously, or call fs.{where} without async_op"
-    )
+# collective cannot be batched after the fact), so these Functions need no batching rule.
 
 
 class PPermuteDone(torch.autograd.Function):
@@ -699,10 +698,6 @@ class PPermuteDone(torch.autograd.Function):
     def jvp(ctx, x_t, *_):
         return apply(PPermute, x_t, ctx.g, ctx.perm)
 
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        _no_vmap("ppermute")
-
 
 class AllGatherDone(torch.autograd.Function):
     """The end of an asynchronous all_gather; the transpose is a reduce-scatter."""
@@ -726,10 +721,6 @@ class AllGatherDone(torch.autograd.Function):
     def jvp(ctx, x_t, *_):
         return apply(AllGather, x_t, *ctx.args)
 
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        _no_vmap("all_gather")
-
 
 class ReduceScatterDone(torch.autograd.Function):
     """The end of an asynchronous psum_scatter; the transpose is an all-gather."""
@@ -752,7 +743,3 @@ class ReduceScatterDone(torch.autograd.Function):
     @_untracked
     def jvp(ctx, x_t, *_):
         return apply(ReduceScatter, x_t, *ctx.args)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        _no_vmap("psum_scatter")
