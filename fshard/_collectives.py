@@ -241,6 +241,13 @@ def _mul_untracked(x, k):
         return x * k
 
 
+def _div_untracked(x, n: int):
+    """``x / n`` (by an int: torch.func.jvp of a 0-dim tensor times a Python float gives a
+    float64 tangent)."""
+    with untracked():
+        return x / n
+
+
 @_axis_name_alias
 def psum(x: _T, axis) -> _T:
     """Sum ``x`` over mesh axis ``axis`` (a name or a tuple of names).
@@ -317,7 +324,7 @@ def pmean(x: _T, axis) -> _T:
         return y
     tr = _vma.current("pmean")
     v = _vma.get(y, tr)
-    return _vma.tag(_mul_untracked(y, 1.0 / g.size), tr, v)
+    return _vma.tag(_div_untracked(y, g.size), tr, v)
 
 
 def _pmean_tree(tree, axis):
@@ -326,7 +333,7 @@ def _pmean_tree(tree, axis):
     n = tr.mesh.axis_group(axis, "pmean").size
     if n == 1:
         return summed
-    return optree.tree_map(lambda y: _vma.tag(_mul_untracked(y, 1.0 / n), tr, _vma.get(y, tr)), summed)
+    return optree.tree_map(lambda y: _vma.tag(_div_untracked(y, n), tr, _vma.get(y, tr)), summed)
 
 
 def _extremum(x, axis, op, where):

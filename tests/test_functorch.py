@@ -141,6 +141,14 @@ def _one_axis():
     close(errs, "per-example grads after pvary", got, ref, DT)
     _want(errs, "per-example grads after pvary (only .full())", c, all_gather=1)
 
+    x32 = xs.float()  # pmean of a 0-dim float32 value keeps a float32 tangent
+    got = jvp(
+        fs.shard_map(lambda x: fs.pmean(x.sum(), "dp"), mesh=dp, in_specs="(dp b) d", out_specs=""),
+        (x32,),
+        (x32,),
+    )
+    close(errs, "pmean jvp of a 0-dim float32", got[1], x32.sum() / 2)
+
     # -- FSDP all_gather (even and uneven) and psum_scatter (uneven) under jvp and vmap
     for rows in (6, 5):
         wf, tf = randn(9, rows, 4, dtype=DT), randn(10, rows, 4, dtype=DT)
