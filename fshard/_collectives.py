@@ -269,6 +269,13 @@ def _mul_untracked(x, k):
         return x * k
 
 
+def _div_untracked(x, n: int):
+    """``x / n`` (by an int: torch.func.jvp of a 0-dim tensor times a Python float gives a
+    float64 tangent)."""
+    with untracked():
+        return x / n
+
+
 @_axis_name_alias
 def psum(x: _T, axis) -> _T:
     """Sum ``x`` over mesh axis ``axis`` (a name or a tuple of names).
@@ -353,7 +360,7 @@ def pmean(x: _T, axis) -> _T:
         return y
     tr = _vma.current("pmean")
     v = _vma.get(y, tr)
-    return _vma.tag(_mul_untracked(y, 1.0 / g.size), tr, v)
+    return _vma.tag(_div_untracked(y, g.size), tr, v)
 
 
 def _pmean_tree(tree, axis):
@@ -362,7 +369,7 @@ def _pmean_tree(tree, axis):
     n = tr.mesh.axis_group(axis, "pmean").size
     if n == 1:
         return summed
-    return optree.tree_map(lambda y: _vma.tag(_mul_untracked(y, 1.0 / n), tr, _vma.get(y, tr)), summed)
+    return optree.tree_map(lambda y: _vma.tag(_div_untracked(y, n), tr, _vma.get(y, tr)), summed)
 
 
 def _extremum(x, axis, op, where):
@@ -430,6 +437,8 @@ def all_gather(
     if not isinstance(x, torch.Tensor):
         _no_async_tree(async_op, "all_gather")
         return _all_gather_tree(x, axis, dim, tiled, invariant)
+    if async_op and not invariant and _transformed():
+        return _ready(all_gather(x, axis, dim, tiled))
     tr, g, bits, v = _prologue(x, axis, "all_gather")
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
@@ -516,6 +525,8 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
     if not isinstance(x, torch.Tensor):
         _no_async_tree(async_op, "psum_scatter")
         return _psum_scatter_tree(x, axis, dim, tiled)
+    if async_op and _transformed():
+        return _ready(psum_scatter(x, axis, dim, tiled))
     tr, g, bits, v = _prologue(x, axis, "psum_scatter")
     dim = _check_scatter(x, g, dim, tiled, "psum_scatter", uneven=True)
     x = _vary(x, tr, v, bits)
@@ -554,6 +565,15 @@ class Pending:
             self._out = self._finish()
             self._finish = None
         return self._out
+
+
+_transformed = torch._C._are_functorch_transforms_active
+
+
+def _ready(y: torch.Tensor) -> Pending:
+    """``async_op=True`` under torch.func transforms (vmap, jvp, grad, ...): the collective ran
+    synchronously (a started collective could not be batched or differentiated forward)."""
+    return Pending(lambda: y)
 
 
 def _no_async_tree(async_op: bool, where: str) -> None:
@@ -640,6 +660,8 @@ def ppermute(x: _T, axis, perm, *, async_op: bool = False):
     if not isinstance(x, torch.Tensor):
         _no_async_tree(async_op, "ppermute")
         return _tree_map(lambda t: ppermute(t, axis, perm), x, axis, "ppermute")
+    if async_op and _transformed():
+        return _ready(ppermute(x, axis, perm))
     tr, g, bits, v = _prologue(x, axis, "ppermute")
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)

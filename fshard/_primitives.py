@@ -31,6 +31,14 @@ packed into one flat buffer, moved with one collective and unpacked.
 Every Function has a separate ``setup_context``, so ``loss.backward()``,
 ``torch.autograd.grad``, ``torch.func.grad`` and ``torch.func.vjp`` all pass through. Outputs
 are never views of buffers made inside ``forward``, so users may update them in place.
+
+The other torch.func transforms go through two more staticmethods per Function. ``jvp``, the
+forward-mode rule: the collectives are linear, so the tangent goes through the same collective
+(pvary passes it through; pmax / pmin pass the tangent of the selected element, averaged among
+ties as the backward splits the cotangent). ``vmap``, the batching rule: the batch dim moves to
+the front, the collective's ``dim`` (``split_dim``, ``concat_dim``) shifts past it, and one
+collective moves the whole batch. So ``vmap``, ``jvp``, ``jacrev``, ``jacfwd`` and ``hessian``
+compose with shard_map, of it and inside it.
 """
 
 from __future__ import annotations
@@ -95,6 +103,19 @@ def _untracked(fn):
             return fn(*args, **kwargs)
 
     return inner
+
+
+def _front(x, bdim):
+    """A vmap rule's operand with its batch dim first (``None``: not batched, as is)."""
+    return x if not bdim else x.movedim(bdim, 0)
+
+
+def _psum_values(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """The all-reduce of ``x`` inside a transpose or a forward-mode rule: through `AllReduce`
+    under torch.func transforms (``x`` may be batched), else directly."""
+    if _functorch_active():
+        return apply(AllReduce, x, g)
+    return _comm.all_reduce(x, g)
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -211,9 +232,17 @@ class Pvary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        if torch.is_grad_enabled():  # double backward: keep the psum differentiable
+        if torch.is_grad_enabled() or _functorch_active():  # double backward, or ct batched
             return apply(AllReduce, ct, ctx.g), None
         return _comm.all_reduce(ct, ctx.g), None
+
+    @staticmethod
+    def jvp(ctx, x_t, _):
+        return x_t.view_as(x_t)
+
+    @staticmethod
+    def vmap(info, in_dims, x, g):
+        return apply(Pvary, x, g), in_dims[0]
 
 
 class AllReduce(torch.autograd.Function):
@@ -234,6 +263,14 @@ class AllReduce(torch.autograd.Function):
             return apply(Pvary, ct, ctx.g), None
         return ct, None
 
+    @staticmethod
+    def jvp(ctx, x_t, _):  # linear: the tangent goes through the same collective
+        return apply(AllReduce, x_t, ctx.g)
+
+    @staticmethod
+    def vmap(info, in_dims, x, g):  # elementwise: one all-reduce of the whole batch
+        return apply(AllReduce, x, g), in_dims[0]
+
 
 class AllGather(torch.autograd.Function):
     """all_gather of a varying value; the transpose is a reduce-scatter (the FSDP pattern)."""
@@ -251,6 +288,16 @@ class AllGather(torch.autograd.Function):
     @_untracked
     def backward(ctx, ct):
         return apply(ReduceScatter, ct, *ctx.args), None, None, None
+
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(AllGather, x_t, *ctx.args)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, x, g, dim, tiled):  # the batch dim first, ``dim`` after it
+        return apply(AllGather, _front(x, in_dims[0]), g, dim + 1, tiled), 0
 
 
 class AllGatherInvariant(torch.autograd.Function):
@@ -270,6 +317,16 @@ class AllGatherInvariant(torch.autograd.Function):
     def backward(ctx, ct):
         return local_block(ct, *ctx.args), None, None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(AllGatherInvariant, x_t, *ctx.args)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, x, g, dim, tiled):  # the batch dim first, ``dim`` after it
+        return apply(AllGatherInvariant, _front(x, in_dims[0]), g, dim + 1, tiled), 0
+
 
 class LocalSlice(torch.autograd.Function):
     """This rank's block of an invariant value (no communication); gradient: all_gather."""
@@ -288,6 +345,16 @@ class LocalSlice(torch.autograd.Function):
     def backward(ctx, ct):
         return apply(AllGatherInvariant, ct, *ctx.args), None, None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return local_block(x_t, *ctx.args)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, x, g, dim, tiled):  # the batch dim first, ``dim`` after it
+        return apply(LocalSlice, _front(x, in_dims[0]), g, dim + 1, tiled), 0
+
 
 class ReduceScatter(torch.autograd.Function):
     """psum_scatter; the transpose is an all-gather."""
@@ -305,6 +372,16 @@ class ReduceScatter(torch.autograd.Function):
     @_untracked
     def backward(ctx, ct):
         return apply(AllGather, ct, *ctx.args), None, None, None
+
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(ReduceScatter, x_t, *ctx.args)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, x, g, dim, tiled):  # the batch dim first, ``dim`` after it
+        return apply(ReduceScatter, _front(x, in_dims[0]), g, dim + 1, tiled), 0
 
 
 class AllToAll(torch.autograd.Function):
@@ -325,6 +402,16 @@ class AllToAll(torch.autograd.Function):
         g, split_dim, concat_dim = ctx.args
         return apply(AllToAll, ct, g, concat_dim, split_dim), None, None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(AllToAll, x_t, *ctx.args)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, x, g, split_dim, concat_dim):
+        return apply(AllToAll, _front(x, in_dims[0]), g, split_dim + 1, concat_dim + 1), 0
+
 
 class PPermute(torch.autograd.Function):
     """ppermute by (source, destination) pairs; the transpose reverses the pairs."""
@@ -344,6 +431,16 @@ class PPermute(torch.autograd.Function):
         inverse = tuple((d, s) for s, d in ctx.perm)
         return apply(PPermute, ct, ctx.g, inverse), None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(PPermute, x_t, ctx.g, ctx.perm)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, x, g, perm):
+        return apply(PPermute, x, g, perm), in_dims[0]
+
 
 class Broadcast(torch.autograd.Function):
     """pbroadcast from index ``src``; the cotangent stays on the source, others get zeros."""
@@ -362,6 +459,16 @@ class Broadcast(torch.autograd.Function):
     def backward(ctx, ct):
         return (ct if ctx.g.index == ctx.src else torch.zeros_like(ct)), None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(Broadcast, x_t, ctx.g, ctx.src)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, x, g, src):
+        return apply(Broadcast, x, g, src), in_dims[0]
+
 
 class Extremum(torch.autograd.Function):
     """pmax / pmin; the cotangent goes to the ranks holding the extremum, split among ties."""
@@ -375,14 +482,27 @@ class Extremum(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         ctx.g = inputs[1]
         ctx.save_for_backward(inputs[0], output)
+        ctx.save_for_forward(inputs[0], output)
 
     @staticmethod
     @_untracked
     def backward(ctx, ct):
         x, y = ctx.saved_tensors
         hit = (x == y).to(ct.dtype)
-        ties = _comm.all_reduce(hit, ctx.g)
+        ties = _psum_values(hit, ctx.g)
         return ct * hit / ties, None, None
+
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):  # the tangent of the selected element, averaged among ties
+        x, y = ctx.saved_tensors
+        hit = (x == y).to(x_t.dtype)
+        return apply(AllReduce, x_t * hit / _psum_values(hit, ctx.g), ctx.g)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, x, g, op):
+        return apply(Extremum, x, g, op), in_dims[0]
 
 
 # -- coalesced forms: n tensors of one dtype, one collective --------------------------------
@@ -412,6 +532,21 @@ class AllReduceCoalesced(torch.autograd.Function):
         if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
             return (None, *(apply(Pvary, ct, ctx.g) for ct in cts))
         return (None, *cts)
+
+    @staticmethod
+    @_untracked
+    def jvp(ctx, _, *ts):
+        have = [i for i, t in enumerate(ts) if t is not None]
+        out: list = [None] * len(ts)
+        if have:
+            for i, t in zip(have, apply(AllReduceCoalesced, ctx.g, *(ts[i] for i in have))):
+                out[i] = t
+        return tuple(out)
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, g, *xs):  # batched and unbatched operands in one all-reduce
+        return apply(AllReduceCoalesced, g, *xs), tuple(in_dims[1:])
 
 
 def _gather_many(xs, g: AxisGroup, dims, tiled: bool):
@@ -473,6 +608,19 @@ class AllGatherCoalesced(torch.autograd.Function):
             grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
         return (None, None, None, None, *grads)
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, _g, _d, _t, _i, *ts):
+        g, dims, tiled, invariant = ctx.args
+        return _coalesced_jvp(AllGatherCoalesced, ts, dims, lambda d: (g, d, tiled, invariant))
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, g, dims, tiled, invariant, *xs):
+        bdims = in_dims[4:]
+        xs, dims = _coalesced_front(xs, dims, bdims)
+        return apply(AllGatherCoalesced, g, dims, tiled, invariant, *xs), _coalesced_out(bdims)
+
 
 class ReduceScatterCoalesced(torch.autograd.Function):
     """psum_scatter of n tensors with one reduce-scatter; the transpose is `AllGatherCoalesced`."""
@@ -492,11 +640,49 @@ class ReduceScatterCoalesced(torch.autograd.Function):
         g, dims, tiled = ctx.args
         return (None, None, None, *apply(AllGatherCoalesced, g, dims, tiled, False, *cts))
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, _g, _d, _t, *ts):
+        g, dims, tiled = ctx.args
+        return _coalesced_jvp(ReduceScatterCoalesced, ts, dims, lambda d: (g, d, tiled))
+
+    @staticmethod
+    @_untracked
+    def vmap(info, in_dims, g, dims, tiled, *xs):
+        bdims = in_dims[3:]
+        xs, dims = _coalesced_front(xs, dims, bdims)
+        return apply(ReduceScatterCoalesced, g, dims, tiled, *xs), _coalesced_out(bdims)
+
+
+def _coalesced_jvp(cls, ts, dims, head):
+    """The tangents of a coalesced gather or scatter: the same collective of those given
+    (``None``: no tangent, for inputs that are not dual)."""
+    have = [i for i, t in enumerate(ts) if t is not None]
+    out: list = [None] * len(ts)
+    if have:
+        ys = apply(cls, *head(tuple(dims[i] for i in have)), *(ts[i] for i in have))
+        for i, y in zip(have, ys):
+            out[i] = y
+    return tuple(out)
+
+
+def _coalesced_front(xs, dims, bdims):
+    """Operands of a batched coalesced gather or scatter with their batch dims first, and the
+    collective's dims shifted past them (unbatched operands as they are)."""
+    xs = tuple(_front(x, b) for x, b in zip(xs, bdims))
+    return xs, tuple(d if b is None else d + 1 for d, b in zip(dims, bdims))
+
+
+def _coalesced_out(bdims) -> tuple:
+    return tuple(None if b is None else 0 for b in bdims)
+
 
 # -- the ends of asynchronous collectives (``async_op=True``) ------------------------------
 #
 # The communication was started by a ``_comm.*_start`` function and is carried by ``handle``;
-# forward waits for it. The transposes are the synchronous collectives above.
+# forward waits for it. The transposes and the forward-mode rules are the synchronous collectives
+# above. Under torch.func transforms the public collectives run synchronously (a started
+# collective cannot be batched after the fact), so these Functions need no batching rule.
 
 
 class PPermuteDone(torch.autograd.Function):
@@ -517,6 +703,11 @@ class PPermuteDone(torch.autograd.Function):
         inverse = tuple((d, s) for s, d in ctx.perm)
         return apply(PPermute, ct, ctx.g, inverse), None, None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(PPermute, x_t, ctx.g, ctx.perm)
+
 
 class AllGatherDone(torch.autograd.Function):
     """The end of an asynchronous all_gather; the transpose is a reduce-scatter."""
@@ -535,6 +726,11 @@ class AllGatherDone(torch.autograd.Function):
     def backward(ctx, ct):
         return apply(ReduceScatter, ct, *ctx.args), None, None, None, None
 
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(AllGather, x_t, *ctx.args)
+
 
 class ReduceScatterDone(torch.autograd.Function):
     """The end of an asynchronous psum_scatter; the transpose is an all-gather."""
@@ -552,3 +748,8 @@ class ReduceScatterDone(torch.autograd.Function):
     @_untracked
     def backward(ctx, ct):
         return apply(AllGather, ct, *ctx.args), None, None, None, None
+
+    @staticmethod
+    @_untracked
+    def jvp(ctx, x_t, *_):
+        return apply(ReduceScatter, x_t, *ctx.args)

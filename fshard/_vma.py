@@ -109,14 +109,39 @@ def get(t, tr: Trace) -> int:
     tag = getattr(t, _ATTR, None)
     if tag is not None and tag[0] == tr.id:
         return tag[1]
-    if _is_wrapped(t):  # inside torch.func transforms: the mask lives on the unwrapped tensor
+    return _hidden(t, tr)
+
+
+def _hidden(t, tr: Trace) -> int:
+    """The mask of a tensor without a tag of ``tr``: torch.func transforms hide it.
+
+    Inside a transform the mask may live on the tensor a wrapper wraps; a transform's result
+    (``vmap``'s output with the batch dim moved back, ``jvp``'s primal and tangent) is the
+    wrapped tensor or a view of it, tagged by `_tag_wrapped` when the wrapper was tagged.
+    """
+    if _is_wrapped(t):
         return get(_unwrap(t), tr)
+    base = t._base
+    if base is not None:
+        tag = getattr(base, _ATTR, None)
+        if tag is not None and tag[0] == tr.id:
+            return tag[1]
     return 0
+
+
+def _tag_wrapped(t, tag: tuple) -> None:
+    """Tag the tensors a torch.func wrapper ``t`` wraps (a batch or a primal varies like its
+    wrapper), so that the transform's result keeps the mask once unwrapped."""
+    while _is_wrapped(t):
+        t = _unwrap(t)
+        setattr(t, _ATTR, tag)
 
 
 def tag(t, tr: Trace, bits: int):
     """Mark ``t`` as varying over ``bits`` in ``tr``; returns ``t``."""
     setattr(t, _ATTR, (tr.id, bits))
+    if _is_wrapped(t):
+        _tag_wrapped(t, (tr.id, bits))
     return t
 
 
@@ -204,10 +229,14 @@ def _tag_out(out, tr: Trace, bits: int) -> None:
     tag = (tr.id, bits)
     if isinstance(out, _Tensor):
         setattr(out, _ATTR, tag)
+        if _is_wrapped(out):
+            _tag_wrapped(out, tag)
     elif isinstance(out, (tuple, list)):
         for o in out:
             if isinstance(o, _Tensor):
                 setattr(o, _ATTR, tag)
+                if _is_wrapped(o):
+                    _tag_wrapped(o, tag)
 
 
 class VmaMode(TorchFunctionMode):
@@ -242,8 +271,8 @@ class VmaMode(TorchFunctionMode):
                     t = getattr(a, _ATTR, None)
                     if t is not None and t[0] == tid:
                         v = t[1]
-                    else:  # untagged or stale: invariant, unless a torch.func wrapper hides a tag
-                        v = get(_unwrap(a), tr) if _is_wrapped(a) else 0
+                    else:  # untagged or stale: invariant, unless a torch.func transform hides a tag
+                        v = _hidden(a, tr)
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
                         if isinstance(b, _Tensor):
@@ -251,7 +280,7 @@ class VmaMode(TorchFunctionMode):
                             if t is not None and t[0] == tid:
                                 v = t[1]
                             else:
-                                v = get(_unwrap(b), tr) if _is_wrapped(b) else 0
+                                v = _hidden(b, tr)
                         elif type(b) in _CARRIERS:
                             v = _scan(b, tid)
                             if not v:
@@ -293,6 +322,8 @@ class VmaMode(TorchFunctionMode):
         if union:  # also covers `p.grad`: a gradient varies like its primal
             if isinstance(out, _Tensor):
                 setattr(out, _ATTR, (tid, union))
+                if _is_wrapped(out):
+                    _tag_wrapped(out, (tid, union))
             else:
                 _tag_out(out, tr, union)
             if kind is _INPLACE and args and isinstance(args[0], _Tensor):

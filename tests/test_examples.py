@@ -45,6 +45,7 @@ CASES = [
     ("collective_matmul", 4, []),
     ("pipeline", 4, ["--steps", "2", "--layers-per-stage", "1"]),
     ("moe", 4, ["--steps", "2"]),
+    ("per_example_dp_sgd", 4, ["--steps", "2"]),
     ("ddp_module", 4, ["--epochs", "1"]),
     ("ddp_module", 2, ["--epochs", "1", "--closure"]),  # parameters captured by closure
     ("dp_tp", 2, ["--dp", "1", "--steps", "2"]),  # tp only, on 2 ranks
