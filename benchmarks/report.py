@@ -6,6 +6,7 @@ Regenerate from a saved run: ``python -m benchmarks.report benchmarks/results.js
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -667,9 +668,22 @@ def _plot_memory(ax, run, mems) -> None:
     ax.legend(fontsize=6)
 
 
+_KEPT = re.compile(r"<!-- (?P<name>[\w-]+): begin -->.*?<!-- (?P=name): end -->\n?", re.S)
+
+
+def kept_sections(md: str) -> str:
+    """The sections of an existing RESULTS.md written by other scripts or by hand, between
+    ``<!-- name: begin -->`` and ``<!-- name: end -->`` markers (kept when the tables are rewritten)."""
+    return "".join(m.group(0).rstrip("\n") + "\n\n" for m in _KEPT.finditer(md))
+
+
 def write(results: dict[str, Any], md_path: Path, png_path: Path) -> str:
     has_plot = plot(results, Path(png_path))
     md = markdown(results, Path(png_path).name if has_plot else None)
+    old = Path(md_path).read_text() if Path(md_path).exists() else ""
+    kept = kept_sections(old)
+    if kept:
+        md = md.rstrip("\n") + "\n\n" + kept.rstrip("\n") + "\n"
     Path(md_path).write_text(md)
     return md
 
