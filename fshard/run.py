@@ -287,6 +287,7 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
 
         blamed: int | None = None  # the rank that failed first
         stuck = False  # the blamed rank did not arrive at a collective (the launcher stops it)
+        reported: list = []  # exit codes of the ranks that had failed when the verdict was made
         first_failure: float | None = None  # when a rank was first seen to fail
         kill_at: float | None = None
         while True:
@@ -305,6 +306,7 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
                 blamed, what = verdict
                 # A rank that did not arrive at a collective is stuck elsewhere: it is stopped too.
                 stuck = what.startswith("did not arrive")
+                reported = [c for rank, c in enumerate(codes) if c not in (None, 0) and rank != blamed]
                 others = [p for rank, p in enumerate(procs) if rank != blamed and p.poll() is None]
                 it = "it and " if stuck and codes[blamed] is None else ""
                 print(
@@ -329,10 +331,11 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
             print(f"fshard.run: rank {blamed} (pid {procs[blamed].pid}) {what}", file=sys.stderr, flush=True)
         if blamed is None:
             return 0, False
-        # The blamed rank's code; if it somehow exited with 0 after recording, or was stopped by the
-        # launcher for not arriving, the first failure's.
+        # The blamed rank's code; if it somehow exited with 0 after recording, the first failure's; if
+        # it was stopped by the launcher for not arriving, the code of a rank that reported it (not
+        # that of a rank the launcher then terminated).
         if stuck:
-            return exit_status(next((c for rank, c in enumerate(codes) if c and rank != blamed), 1)), False
+            return exit_status(reported[0] if reported else 1), False
         return exit_status(codes[blamed] or next(code for code in codes if code)), False
     finally:
         for proc in procs:
