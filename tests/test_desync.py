@@ -187,6 +187,151 @@ def test_disagreeing_collectives_raise_on_every_rank_of_the_group_before_sending
         torch.testing.assert_close(got[r]["agree"][1], total)
 
 
+# -- always on: a skipped collective is caught when it ends, by the tags sent with the data ----------
+
+TAG_FIX = (
+    "Its result was not returned: every rank of the group raised this error when the collective ended (its "
+    "tag disagreed). Every rank must issue the same collectives over a group in the same order (op, axes, "
+    "shape, dtype, call site): look for a collective in a branch on the rank or on per-rank data (if rank "
+    "== 0, a loop whose length differs by rank) and make every rank reach it. fs.debug() (or "
+    "FSHARD_DEBUG=1) checks each collective before it is sent"
+)
+
+
+def _tag_message(axes, ranks, groups):
+    bullets = "\n".join(f"  - {who}: {what}" for who, what in groups)
+    return f"fshard: the ranks of the group over {axes} ({ranks}) ran different collectives together:\n{bullets}\n{TAG_FIX}"
+
+
+def _rank_skips_without_debug(X):
+    import torch.distributed as dist
+
+    from fshard import _watchdog
+
+    rank = dist.get_rank()
+    out = {}
+
+    def attempt(name, mesh, spec, f, x=X):
+        _watchdog.reset()  # every case starts at collective #1 on every rank
+        try:
+            out[name] = ("value", fs.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec)(x).local)
+        except fs.CollectiveError as err:
+            out[name] = ("error", str(err))
+
+    dp = fs.Mesh(dp=4)
+
+    def skip_psum(x):
+        a = fs.psum(x, "dp") if rank != 2 else x  # tag-psum-first
+        return fs.psum(a, "dp") * 1.0  # tag-psum-second
+
+    def skip_pmax(x):
+        a = fs.pmax(x, "dp") if rank != 0 else x  # tag-pmax-first
+        return fs.pmax(a + 1.0, "dp")  # tag-pmax-second
+
+    def skip_gather(x):
+        a = fs.all_gather(x, "dp", dim=0, tiled=True)[4:8] if rank != 3 else x  # tag-gather-first
+        return fs.all_gather(a, "dp", dim=0, tiled=True)[:4]  # tag-gather-second
+
+    def skip_scatter(x):
+        a = fs.psum_scatter(x, "dp", dim=0, tiled=True).repeat(4) if rank != 1 else x  # tag-scatter-first
+        pending = fs.psum_scatter(a, "dp", dim=0, tiled=True, async_op=True)  # tag-scatter-second
+        return pending.wait().repeat(4)
+
+    for name, f in (
+        ("psum", skip_psum),
+        ("pmax", skip_pmax),
+        ("gather", skip_gather),
+        ("scatter", skip_scatter),
+    ):
+        attempt(name, dp, "(dp b)", f)
+    attempt("psum_bf16", dp, "(dp b)", skip_psum, X.to(torch.bfloat16))
+
+    mesh2 = fs.Mesh(dp=2, tp=2)
+
+    def skip_tp(x):
+        a = fs.psum(x, "tp") if rank != 3 else x  # tag-tp-first
+        return fs.psum(a * 2.0, "tp")  # tag-tp-second
+
+    attempt("skip_tp", mesh2, "(dp tp b)", skip_tp)
+
+    def agree(x):  # every collective on every rank, per-rank values: no false alarm, values intact
+        s = fs.psum(x, "dp") + fs.pmax(x, "dp") + fs.psum(x.to(torch.bfloat16), "dp").float()
+        g = fs.all_gather(x, "dp", dim=0, tiled=True)[:4]
+        return s + g + fs.psum_scatter(x.repeat(4), "dp", dim=0, tiled=True) + fs.all_to_all(x, "dp", 0, 0)
+
+    attempt("agree", dp, "(dp b)", agree)
+    return out
+
+
+def test_a_skipped_collective_raises_on_every_rank_without_debug_mode():
+    X = torch.arange(16.0)
+    start = time.monotonic()
+    got = run_ranks(4, _rank_skips_without_debug, X)
+    assert time.monotonic() - start < BOUND
+    world = "ranks 0, 1, 2, 3"
+
+    def at(marker):
+        return f"at {HERE}:{_line(marker)}"
+
+    def pair(op, api, dtype, marker):
+        return f"#1 {op} (fs.{api}) over dp of {dtype} (4,) {at(marker)}"
+
+    expected = {
+        "psum": [
+            ("ranks 0, 1, 3", pair("all_reduce", "psum", "float32", "tag-psum-first")),
+            ("rank 2", pair("all_reduce", "psum", "float32", "tag-psum-second")),
+        ],
+        "pmax": [
+            ("rank 0", pair("all_reduce", "pmax", "float32", "tag-pmax-second")),
+            ("ranks 1, 2, 3", pair("all_reduce", "pmax", "float32", "tag-pmax-first")),
+        ],
+        "gather": [
+            ("ranks 0, 1, 2", pair("all_gather", "all_gather", "float32", "tag-gather-first")),
+            ("rank 3", pair("all_gather", "all_gather", "float32", "tag-gather-second")),
+        ],
+        "scatter": [
+            (
+                "ranks 0, 2, 3",
+                f"#1 reduce_scatter (fs.psum_scatter) over dp of float32 (4, 1) {at('tag-scatter-first')}",
+            ),
+            (
+                "rank 1",
+                f"#1 reduce_scatter (fs.psum_scatter) over dp of float32 (4, 1) {at('tag-scatter-second')}",
+            ),
+        ],
+        "psum_bf16": [
+            ("ranks 0, 1, 3", pair("all_reduce", "psum", "bfloat16", "tag-psum-first")),
+            ("rank 2", pair("all_reduce", "psum", "bfloat16", "tag-psum-second")),
+        ],
+    }
+    for name, groups in expected.items():
+        message = _tag_message("dp", world, groups)
+        assert [g[name] for g in got] == [("error", message)] * 4, name  # the same on every rank
+    # 2-axis mesh: only rank 3's tp group (ranks 2, 3) disagrees; ranks 0, 1 get the right value.
+    tp_message = _tag_message(
+        "tp",
+        "ranks 2, 3",
+        [
+            ("rank 2", f"#1 all_reduce (fs.psum) over tp of float32 (4,) {at('tag-tp-first')}"),
+            ("rank 3", f"#1 all_reduce (fs.psum) over tp of float32 (4,) {at('tag-tp-second')}"),
+        ],
+    )
+    assert [g["skip_tp"][0] for g in got] == ["value", "value", "error", "error"]
+    assert got[2]["skip_tp"][1] == got[3]["skip_tp"][1] == tp_message
+    blocks = X.reshape(2, 2, 4)  # [dp, tp, b]
+    want = blocks.sum(1, keepdim=True) * 2 * 2  # psum(psum(x) * 2)
+    for r in (0, 1):
+        torch.testing.assert_close(got[r]["skip_tp"][1], want[0, 0])
+    # Agreeing ranks: the values of plain torch on the global tensor.
+    B = X.reshape(4, 4)  # row r: rank r's block
+    for r in range(4):
+        assert got[r]["agree"][0] == "value"
+        scatter = B.sum(0)  # psum_scatter of x.repeat(4): block r of the sum, the sum of the blocks
+        a2a = B[:, r]  # all_to_all(split 0, concat 0): element r of every rank's block
+        want = B.sum(0) + B.max(0).values + B.sum(0) + B[0] + scatter + a2a  # psum in bf16: exact integers
+        torch.testing.assert_close(got[r]["agree"][1], want)
+
+
 # -- a rank stuck outside a collective: hang report, timeout error, launcher -------------------------
 
 STUCK_SCRIPT = """
