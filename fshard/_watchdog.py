@@ -553,15 +553,22 @@ def _collect(store, ranks: tuple) -> dict[int, dict]:
 
 
 def _print_report(rank: int, rec: tuple, since: float, states: dict) -> None:
+    """The hang report: in full from the lowest rank of the group that is waiting (the others print
+    one line pointing to it, so that a job prints one report per group, not one per waiting rank)."""
     missing = _missing(rec, states)
     if missing:
         verdict = f"{_ranks_text(missing)} of the group {'have' if len(missing) > 1 else 'has'} not arrived"
     else:
         verdict = "every rank of the group has issued it or a later one: they disagree about it"
-    text = (
+    head = (
         f"fshard: rank {rank} has waited {time.monotonic() - since:.0f} s in {describe(rec)} "
-        f"(over {_ranks_text(rec[3])}); {verdict}:\n{_states_text(rec, states, missing)}\n"
+        f"(over {_ranks_text(rec[3])}); {verdict}"
     )
+    lead = min([rank, *(r for r in rec[3] if states.get(r) is not None and states[r]["current"])])
+    if lead == rank:
+        text = f"{head}:\n{_states_text(rec, states, missing)}\n"
+    else:
+        text = f"{head} (rank {lead} prints where every rank is)\n"
     try:
         sys.stderr.write(text)
         sys.stderr.flush()

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -403,6 +404,16 @@ def test_fshard_run_names_the_rank_that_did_not_arrive(tmp_path):
         f'      File "{script}", line {at_sleep}, in <module>: time.sleep(60)  # stuck in its own data loading'
     )
     assert lines[4].startswith(f"  rank 3: {waiting} ")
+    # One full report: the other waiting ranks point to rank 0's.
+    assert len(re.findall(r"^fshard: rank \d has waited .*:$", out.stderr, re.M)) == 1, out.stderr
+    pointers = re.findall(r"^fshard: rank (\d) has waited \d+ s in (.*)$", out.stderr, re.M)
+    assert sorted(r for r, _ in pointers if r != "0") == ["1", "3"], out.stderr
+    for r, rest in pointers:
+        if r != "0":
+            assert (
+                rest
+                == f"{psum} (over ranks 0, 1, 2, 3); rank 2 of the group has not arrived (rank 0 prints where every rank is)"
+            )
     # The error that ends the wait names rank 2; so does the launcher's last line.
     assert re.search(
         rf"fshard\.CollectiveError: rank \d timed out after \d+ s waiting in {re.escape(psum)} \(over ranks "
@@ -462,3 +473,175 @@ def test_hang_report_must_be_a_positive_number():
     assert str(info.value) == (
         "fshard.init(): hang_report must be a positive number of seconds (or None for no report), got 0"
     )
+
+
+# -- a 3-axis mesh (8 ranks) and torchrun -------------------------------------------------------------
+
+EIGHT_SCRIPT = """
+import json, os, time, torch
+import torch.distributed as dist
+import fshard as fs
+
+fs.init(timeout=6, hang_report=2)
+rank = dist.get_rank()
+open(os.path.join(os.environ["PID_DIR"], str(rank)), "w").write(str(os.getpid()))
+mesh = fs.Mesh(dp=2, tp=2, pp=2)
+x = torch.arange(16.0)
+
+def skip(x):
+    a = fs.psum(x, "tp") if rank != 5 else x  # first
+    return fs.psum(a, "tp")  # second
+
+try:
+    y = fs.shard_map(skip, mesh=mesh, in_specs="(dp tp pp b)", out_specs="(dp tp pp b)")(x)
+    result = ["value", y.local.tolist()]
+except fs.CollectiveError as err:
+    result = ["error", str(err)]
+open(os.path.join(os.environ["PID_DIR"], f"result{rank}"), "w").write(json.dumps(result))
+
+@fs.shard_map(mesh=mesh, in_specs="(dp tp pp b)", out_specs="(tp b)")
+def total(x):
+    return fs.psum(x, ("dp", "pp"))  # total
+
+if rank in (5, 6):
+    print(f"sleeping at t={time.time():.3f}", flush=True)
+    time.sleep(60)  # stuck
+print(total(x).tolist(), flush=True)
+"""
+
+
+def _src_line(script: str, marker: str) -> int:
+    return next(i + 1 for i, t in enumerate(script.splitlines()) if t.endswith(f"# {marker}"))
+
+
+def _assert_gone(pid_dir: Path, n: int) -> None:
+    pids = [int((pid_dir / str(r)).read_text()) for r in range(n)]
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in _status(pid)]
+        time.sleep(0.1)
+    assert not alive, f"ranks left behind: {alive}"
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+def test_a_3_axis_mesh_names_the_skipping_rank_and_every_rank_that_did_not_arrive(tmp_path):
+    script = tmp_path / "eight.py"
+    script.write_text(EIGHT_SCRIPT)
+    env = {**_clean_env(), "PID_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "fshard.run", "-n", "8", str(script)],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    slept = max(float(t) for t in re.findall(r"sleeping at t=([0-9.]+)", out.stdout))
+    assert time.time() - slept < BOUND, out.stderr
+    assert out.returncode == 1, out.stderr
+    _assert_gone(tmp_path, 8)
+    # The skipped psum over tp: rank 5's group (ranks 5, 7) raises; every other rank has plain torch's value.
+    got = {r: tuple(json.loads((tmp_path / f"result{r}").read_text())) for r in range(8)}
+    first, second = (_src_line(EIGHT_SCRIPT, m) for m in ("first", "second"))
+    message = _tag_message(
+        "tp",
+        "ranks 5, 7",
+        [
+            ("rank 5", f"#1 all_reduce (fs.psum) over tp of float32 (2,) at eight.py:{second}"),
+            ("rank 7", f"#1 all_reduce (fs.psum) over tp of float32 (2,) at eight.py:{first}"),
+        ],
+    )
+    B = torch.arange(16.0).reshape(2, 2, 2, 2)  # [dp, tp, pp, b]
+    for r in range(8):
+        dp, pp = r // 4, r % 2
+        if r in (5, 7):
+            assert got[r] == ("error", message)
+        else:
+            assert got[r][0] == "value"
+            torch.testing.assert_close(torch.tensor(got[r][1]), 2 * B[dp, :, pp].sum(0))
+    # Ranks 5 and 6 sleep before the psum over (dp, pp): one hang report per group, the rest point to it.
+    psum = (
+        f"#1 all_reduce (fs.psum) over dp,pp of float32 (2,) at eight.py:{_src_line(EIGHT_SCRIPT, 'total')}"
+    )
+    full = re.findall(r"^fshard: rank (\d) has waited \d+ s in (.*):$", out.stderr, re.M)
+    assert sorted(full) == [
+        ("0", f"{psum} (over ranks 0, 1, 4, 5); rank 5 of the group has not arrived"),
+        ("2", f"{psum} (over ranks 2, 3, 6, 7); rank 6 of the group has not arrived"),
+    ], out.stderr
+    pointers = re.findall(
+        r"^fshard: rank (\d) has waited \d+ s in .*\(rank (\d) prints where every rank is\)$",
+        out.stderr,
+        re.M,
+    )
+    assert sorted(pointers) == [("1", "0"), ("3", "2"), ("4", "0"), ("7", "2")], out.stderr
+    launcher = [line for line in out.stderr.splitlines() if line.startswith("fshard.run:")]
+    assert len(launcher) == 1, out.stderr
+    assert re.fullmatch(
+        rf"fshard\.run: ranks 5 \(pid \d+\), 6 \(pid \d+\) did not arrive at {re.escape(psum)}, where rank \d "
+        r"timed out waiting for it after \d+ s; terminating them and the \d other running rank\(s\)",
+        launcher[0],
+    ), out.stderr
+
+
+TORCHRUN_SCRIPT = """
+import os, time, torch
+import torch.distributed as dist
+import fshard as fs
+
+fs.init(timeout=6, hang_report=2)
+rank = dist.get_rank()
+open(os.path.join(os.environ["PID_DIR"], str(rank)), "w").write(str(os.getpid()))
+mesh = fs.Mesh(dp=4)
+
+@fs.shard_map(mesh=mesh, in_specs="(dp b)", out_specs="b")
+def total(x):
+    return fs.psum(x, "dp")  # total
+
+if rank == 1:
+    print(f"sleeping at t={time.time():.3f}", flush=True)
+    time.sleep(60)  # stuck
+print(total(torch.arange(8.0)).tolist(), flush=True)
+"""
+
+
+def test_torchrun_names_the_rank_that_did_not_arrive(tmp_path):
+    script = tmp_path / "under_torchrun.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**_clean_env(), "PID_DIR": str(tmp_path)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(script),
+    ]
+    out = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=110)
+    slept = float(re.search(r"sleeping at t=([0-9.]+)", out.stdout).group(1))
+    assert time.time() - slept < BOUND, out.stderr
+    assert out.returncode != 0, out.stderr
+    _assert_gone(tmp_path, 4)
+    psum = f"#1 all_reduce (fs.psum) over dp of float32 (2,) at under_torchrun.py:{_src_line(TORCHRUN_SCRIPT, 'total')}"
+    stuck = f"under_torchrun.py:{_src_line(TORCHRUN_SCRIPT, 'stuck')} in <module>: time.sleep(60)  # stuck"
+    full = re.findall(r"^fshard: rank (\d) has waited \d+ s in (.*):$", out.stderr, re.M)
+    assert full == [("0", f"{psum} (over ranks 0, 1, 2, 3); rank 1 of the group has not arrived")], out.stderr
+    assert f"  rank 1: has finished no fshard collective and is at {stuck}\n" in out.stderr
+    errors = re.findall(
+        r"fshard\.CollectiveError: rank (\d) timed out after \d+ s waiting in (.*)\n", out.stderr
+    )
+    assert errors, out.stderr
+    for _, rest in errors:
+        assert rest == (
+            f"{psum} (over ranks 0, 1, 2, 3): rank 1 did not arrive (rank 1 has finished no fshard collective and "
+            f"is at {stuck}). Every rank of a group must reach each of its collectives within the timeout "
+            f"(fs.init(timeout=...)): look for work the missing rank does alone (data loading, evaluation or "
+            f"saving on one rank), or a collective it skipped"
+        )
