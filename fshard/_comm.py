@@ -184,6 +184,30 @@ def _wait(t: torch.Tensor, rec: tuple | None) -> torch.Tensor:
         return _watch.wait(_WAIT, rec, t)
 
 
+def _reduce_tags(t: torch.Tensor, g: AxisGroup, op: str) -> tuple[tuple | None, list[int] | None]:
+    """The record of the collective just issued, and the tags its all-reduce buffer carries (None:
+    none, as when compiling or off the CPU; see ``_watchdog``)."""
+    rec = issued()
+    if _compiling() or t.device.type != "cpu" or rec is None:
+        return rec, None
+    return rec, _watch.reduce_tags(rec, t.dtype, g.size, op)
+
+
+def _tag_start(t: torch.Tensor, g: AxisGroup) -> torch.Tensor | None:
+    """Launch the all-gather of the tag of the collective just issued (right after its data, so that
+    their latencies overlap); None when it carries no tag (see ``_watchdog``)."""
+    rec = issued()
+    if not _watch.S.tags or _compiling() or t.device.type != "cpu" or rec is None or not rec[0]:
+        return None
+    return _launch(_ALL_GATHER, torch.tensor([_watch.tag(rec)], dtype=torch.int64), g.size, _name(g))
+
+
+def _tag_check(tags: torch.Tensor | None, rec: tuple | None, g: AxisGroup) -> None:
+    """After the data of ``rec`` has arrived: raise on every rank of the group if the tags differ."""
+    if tags is not None:
+        _watch.check_gathered_tags(_wait(tags, rec).tolist(), rec, g, tags.device)  # type: ignore[arg-type]
+
+
 def _name(g: AxisGroup) -> str:
     """The name of the group's ProcessGroup, by which the functional ops find it."""
     return g.group.group_name  # type: ignore[attr-defined]
@@ -210,8 +234,18 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Ten
         if g.size == 1:
             return t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()
+        name = _OP_NAMES[op]
         with _issue("all_reduce", g, t):  # the range covers the wait, as for any blocking call
-            return _wait(_launch(_ALL_REDUCE, t, _OP_NAMES[op], _name(g)), issued())
+            rec, tags = _reduce_tags(t, g, name)
+            if tags is None:
+                return _wait(_launch(_ALL_REDUCE, t, name, _name(g)), rec)
+            n = t.numel()  # the data and its tags in one buffer (the copy the out-of-place op makes)
+            buf = torch.empty(n + len(tags), dtype=t.dtype, device=t.device)
+            buf[:n].copy_(t.view(-1))
+            buf[n:].copy_(torch.tensor(tags, dtype=t.dtype))
+            buf = _wait(_launch(_ALL_REDUCE_, buf, name, _name(g)), rec)
+            _watch.check_reduced_tags(buf[n:].tolist(), tags, g.size, name, rec, g, t.device)  # type: ignore[arg-type]
+            return buf[:n].view(t.shape)
 
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -232,7 +266,10 @@ def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         splits = [1] * g.size
         with _issue("all_to_all", g, t):
-            out = _wait(_launch(_ALL_TO_ALL, t, splits, splits, _name(g)), issued())
+            out = _launch(_ALL_TO_ALL, t, splits, splits, _name(g))
+            tags, rec = _tag_start(t, g), issued()
+            out = _wait(out, rec)
+            _tag_check(tags, rec, g)
         return _to_blocks_order(out, g, inverse=True)
 
 
@@ -305,11 +342,14 @@ def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:
             return Handle((), lambda: blocks)
         with _issue("all_gather", g, t):
             out = _launch(_ALL_GATHER, t.reshape(-1), g.size, _name(g))
+            tags = _tag_start(t, g)
         rec = issued()
 
         def finish():
             with untracked():
-                return _to_blocks_order(_wait(out, rec).view(g.size, *t.shape), g, inverse=True)
+                blocks = _wait(out, rec)
+                _tag_check(tags, rec, g)
+                return _to_blocks_order(blocks.view(g.size, *t.shape), g, inverse=True)
 
         return Handle((), finish)
 
@@ -323,12 +363,15 @@ def reduce_scatter_start(t: torch.Tensor, g: AxisGroup) -> Handle:
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         with _issue("reduce_scatter", g, t):
             out = _launch(_REDUCE_SCATTER, t.reshape(-1), "sum", g.size, _name(g))
+            tags = _tag_start(t, g)
         shape = t.shape[1:]
         rec = issued()
 
         def finish():
             with untracked():
-                return _wait(out, rec).view(shape)
+                block = _wait(out, rec)
+                _tag_check(tags, rec, g)
+                return block.view(shape)
 
         return Handle((), finish)
 
@@ -341,7 +384,11 @@ def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
         t = t.contiguous()
         root = src if g.order is None else g.order[src]  # the functional op takes the group rank
         with _issue("broadcast", g, t):
-            return _wait(_launch(_BROADCAST, t, root, _name(g)), issued())
+            out = _launch(_BROADCAST, t, root, _name(g))
+            tags, rec = _tag_start(t, g), issued()
+            out = _wait(out, rec)
+            _tag_check(tags, rec, g)
+            return out
 
 
 def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
@@ -354,7 +401,11 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
                         t.copy_(_WAIT(_ALL_REDUCE(t, _OP_NAMES[op], _name(g))))
                     return
                 with _below_autograd():
-                    _watch.wait(_WAIT, issued(), _ALL_REDUCE_(t, _OP_NAMES[op], _name(g)))
+                    out = _ALL_REDUCE_(t, _OP_NAMES[op], _name(g))
+                tags, rec = _tag_start(t, g), issued()
+                with _below_autograd():
+                    _watch.wait(_WAIT, rec, out)
+                _tag_check(tags, rec, g)
 
 
 def gather_blocks(t: torch.Tensor, g: AxisGroup, dst: int) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import linecache
+import math
 import os
 import sys
 import threading
@@ -67,6 +68,7 @@ class _State:
         self.done: tuple | None = None  # the last collective waited for
         self.thread = threading.main_thread().ident  # the thread that issues collectives
         self.check = os.environ.get("FSHARD_DEBUG", "") not in ("", "0")  # the fingerprint all-gather
+        self.tags = True  # the tags sent with the data (the same on every rank; off only to measure them)
         self.anonymous = 0  # > 0 inside fs.switch branches: call sites may differ by rank
         self.threshold: float | None = DEFAULT_HANG_REPORT
         self.started = False
@@ -189,31 +191,136 @@ def _gather_rows(row: list[int], group: Any, device, rec: tuple) -> list[list[in
         return wait(_F.wait_tensor.default, rec, out).view(n, len(row)).tolist()
 
 
+def _each_rank(rec: tuple, group: Any, device) -> tuple[list[int], str]:
+    """Every rank of the group's description of its collective (one all-gather of fixed-size rows):
+    the ranks, and one bullet per distinct description, naming the ranks that gave it."""
+    text = describe(rec).encode()[: _DESC_BYTES - 1]
+    rows = _gather_rows([dist.get_rank(), *text.ljust(_DESC_BYTES, b"\0")], group, device, rec)
+    by: dict[str, list[int]] = {}
+    for row in rows:
+        by.setdefault(bytes(row[1:]).rstrip(b"\0").decode(errors="replace"), []).append(row[0])
+    bullets = "\n".join(
+        f"  - {_ranks_text(sorted(r))}: {d}" for d, r in sorted(by.items(), key=lambda kv: min(kv[1]))
+    )
+    return sorted(row[0] for row in rows), bullets
+
+
+_ORDER_FIX = (
+    "Every rank must issue the same collectives over a group in the same order (op, axes, shape, dtype, "
+    "call site): look for a collective in a branch on the rank or on per-rank data (if rank == 0, a loop "
+    "whose length differs by rank) and make every rank reach it"
+)
+
+
 def _fingerprint(rec: tuple, group: Any, device) -> None:
     seq, kind, names, ranks, shape, dtype, file, line, *_ = rec
     site = 0 if S.anonymous else _crc((file, line))
-    me = dist.get_rank()
-    rows = _gather_rows(
-        [me, seq, _crc(kind), _crc(names), _crc(str(dtype)), _crc(tuple(shape)), site], group, device, rec
-    )
-    if all(row[1:] == rows[0][1:] for row in rows):
+    row = [seq, _crc(kind), _crc(names), _crc(str(dtype)), _crc(tuple(shape)), site]
+    rows = _gather_rows(row, group, device, rec)
+    if all(r == rows[0] for r in rows):
         return
-    text = describe(rec).encode()[: _DESC_BYTES - 1]
-    descs = _gather_rows(list(text.ljust(_DESC_BYTES, b"\0")), group, device, rec)
-    by: dict[str, list[int]] = {}
-    for row, desc in zip(rows, descs):
-        by.setdefault(bytes(desc).rstrip(b"\0").decode(errors="replace"), []).append(row[0])
-    axes = ",".join(names) or "world"
-    lines = "\n".join(
-        f"  - {_ranks_text(sorted(r))}: {d}" for d, r in sorted(by.items(), key=lambda kv: min(kv[1]))
-    )
+    members, bullets = _each_rank(rec, group, device)
     raise CollectiveError(
-        f"fshard [debug]: the ranks of the group over {axes} ({_ranks_text(sorted(r[0] for r in rows))}) "
-        f"disagree about their next collective:\n{lines}\n"
-        f"Nothing was sent: every rank of the group raised this error before the collective. Every rank "
-        f"must issue the same collectives over a group in the same order (op, axes, shape, dtype, call "
-        f"site): look for a collective in a branch on the rank or on per-rank data (if rank == 0, a loop "
-        f"whose length differs by rank) and make every rank reach it"
+        f"fshard [debug]: the ranks of the group over {','.join(names) or 'world'} ({_ranks_text(members)}) "
+        f"disagree about their next collective:\n{bullets}\n"
+        f"Nothing was sent: every rank of the group raised this error before the collective. {_ORDER_FIX}"
+    )
+
+
+# -- always on: tags sent with the data ----------------------------------------------------------
+#
+# A collective's tag ``h`` (a number from its sequence number, op and call site) travels with its
+# data, so that ranks that paired different collectives (one rank skipped one: its next psum met
+# the others' psum) see it when the collective ends, before its result is returned. An all-reduce
+# carries the tag in two more elements of its own buffer (no extra collective): ``h`` and ``h * h``
+# (for a sum; ``h`` and ``b - h`` for max and min), whose reductions are ``n * h`` and ``n * h * h``
+# only if every rank sent the same ``h`` (the variance of the ``h`` sent is 0), with ``h`` small
+# enough that the sums are exact in the buffer's dtype (several digits when it is small, as for
+# bfloat16). Other collectives all-gather the tag in a tiny int64 buffer launched right after the
+# data (their latencies overlap) and compare the tags. Tags are read on the host, so only CPU
+# tensors carry them (reading a CUDA tag would wait for the device); ``fs.debug`` checks any device.
+
+_EXACT = {  # the integers a sum of this dtype represents exactly
+    torch.float64: 2**53,
+    torch.float32: 2**24,
+    torch.float16: 2**11,
+    torch.bfloat16: 2**8,
+    torch.int64: 2**62,
+    torch.int32: 2**31 - 1,
+    torch.int16: 2**15 - 1,
+    torch.int8: 2**7 - 1,
+    torch.uint8: 2**8 - 1,
+}
+_TAG_BITS = 20  # a tag tells about a million collectives apart
+_bases: dict[tuple, tuple[int, int] | None] = {}
+
+
+def _base(dtype: torch.dtype, n: int, op: str) -> tuple[int, int] | None:
+    """``(base, digits)`` of the tags an all-reduce ``op`` of ``dtype`` over ``n`` ranks carries."""
+    key = (dtype, n, op)
+    if key not in _bases:
+        limit = _EXACT.get(dtype, 0)
+        if op == "sum":
+            base = math.isqrt(limit // n) if limit else 0
+        elif op in ("max", "min"):
+            base = limit
+        else:  # product, average, bitwise: no tag
+            base = 0
+        base = min(base, 2**_TAG_BITS)
+        if base < 3:
+            _bases[key] = None
+        else:
+            digits = min(8, math.ceil(_TAG_BITS / math.log2(base - 1)))
+            _bases[key] = (base, digits)
+    return _bases[key]
+
+
+def tag(rec: tuple) -> int:
+    """The tag of collective ``rec``: its sequence number, op and call site (not inside fs.switch)."""
+    seq, kind, *_ = rec
+    site = () if S.anonymous else rec[6:8]
+    return zlib.crc32(repr((seq, kind, site)).encode())
+
+
+def reduce_tags(rec: tuple, dtype: torch.dtype, n: int, op: str) -> list[int] | None:
+    """The elements an all-reduce ``op`` of ``dtype`` over ``n`` ranks appends to its buffer for
+    ``rec`` (None: this one carries no tag)."""
+    if not S.tags:
+        return None
+    bd = _base(dtype, n, op)
+    if bd is None:
+        return None
+    base, digits = bd
+    h = tag(rec)
+    out: list[int] = []
+    for _ in range(digits):
+        d = 1 + h % (base - 1)  # 1 .. base - 1
+        h //= base - 1
+        out += (d, d * d) if op == "sum" else (d, base - d)
+    return out
+
+
+def check_reduced_tags(got: list, sent: list[int], n: int, op: str, rec: tuple, g: Any, device) -> None:
+    """After the all-reduce of ``rec``: raise on every rank of the group if the tags disagree."""
+    want = [n * v for v in sent] if op == "sum" else sent
+    if [int(v) for v in got] != want:
+        _disagreed(rec, g, device)
+
+
+def check_gathered_tags(got: list, rec: tuple, g: Any, device) -> None:
+    """After the collective of ``rec`` whose tag was all-gathered: raise if the tags differ."""
+    if any(v != got[0] for v in got):
+        _disagreed(rec, g, device)
+
+
+def _disagreed(rec: tuple, g: Any, device) -> None:
+    members, bullets = _each_rank(rec, g.group, device)
+    raise CollectiveError(
+        f"fshard: the ranks of the group over {','.join(rec[2]) or 'world'} ({_ranks_text(members)}) ran "
+        f"different collectives together:\n{bullets}\n"
+        f"Its result was not returned: every rank of the group raised this error when the collective "
+        f"ended (its tag disagreed). {_ORDER_FIX}. fs.debug() (or FSHARD_DEBUG=1) checks each collective "
+        f"before it is sent"
     )
 
 
@@ -446,15 +553,22 @@ def _collect(store, ranks: tuple) -> dict[int, dict]:
 
 
 def _print_report(rank: int, rec: tuple, since: float, states: dict) -> None:
+    """The hang report: in full from the lowest rank of the group that is waiting (the others print
+    one line pointing to it, so that a job prints one report per group, not one per waiting rank)."""
     missing = _missing(rec, states)
     if missing:
         verdict = f"{_ranks_text(missing)} of the group {'have' if len(missing) > 1 else 'has'} not arrived"
     else:
         verdict = "every rank of the group has issued it or a later one: they disagree about it"
-    text = (
+    head = (
         f"fshard: rank {rank} has waited {time.monotonic() - since:.0f} s in {describe(rec)} "
-        f"(over {_ranks_text(rec[3])}); {verdict}:\n{_states_text(rec, states, missing)}\n"
+        f"(over {_ranks_text(rec[3])}); {verdict}"
     )
+    lead = min([rank, *(r for r in rec[3] if states.get(r) is not None and states[r]["current"])])
+    if lead == rank:
+        text = f"{head}:\n{_states_text(rec, states, missing)}\n"
+    else:
+        text = f"{head} (rank {lead} prints where every rank is)\n"
     try:
         sys.stderr.write(text)
         sys.stderr.flush()

@@ -53,6 +53,7 @@ __all__ = ["main"]
 _KILL_AFTER_FAILURE = 3.0  # seconds between SIGTERM and SIGKILL once a rank failed
 _KILL_AFTER_SIGNAL = 10.0  # seconds ranks get to handle a forwarded SIGINT/SIGTERM
 _WAIT_FOR_CULPRIT = 2.0  # seconds to wait for the rank that caused the failures seen so far
+_WAIT_FOR_BLAME = 10.0  # at most, while ranks keep timing out waiting for ranks that did not arrive
 _RANK_MEMORY = 230 * 2**20  # resident memory of an idle rank: an interpreter with torch imported
 _RANKS_PER_CPU = 4  # beyond this many ranks per CPU, start-up and collectives crawl
 _RESTART_BACKOFF = 1.0  # seconds before the first restart; doubled for each further one
@@ -212,6 +213,16 @@ def _root_cause(codes: list[int | None], error_files: list[str], *, final: bool)
     return rank, raised(rank)
 
 
+def _not_arrived(error_files: list[str]) -> list[int]:
+    """Every rank that some rank's collective timed out waiting for (from their error files)."""
+    ranks: set[int] = set()
+    for path in error_files:
+        got = read_error_file(path)
+        if got is not None and got.blame:
+            ranks.update(got.blame[0])
+    return sorted(ranks)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Launch ``SCRIPT`` (or ``-m MODULE``) on ``-n`` local ranks and return the exit code.
 
@@ -287,7 +298,9 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
 
         blamed: int | None = None  # the rank that failed first
         stuck = False  # the blamed rank did not arrive at a collective (the launcher stops it)
-        reported: list = []  # exit codes of the ranks that had failed when the verdict was made
+        absent: list[int] = []  # the ranks that did not arrive (the blamed one first)
+        n_failed, last_failure = 0, 0.0  # ranks seen failed so far, and when the last of them was seen
+        own_codes: list[int] = []  # the codes of the ranks that failed by themselves (before any was stopped)
         first_failure: float | None = None  # when a rank was first seen to fail
         kill_at: float | None = None
         while True:
@@ -302,20 +315,35 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
                 if first_failure is None:
                     first_failure = now
                 verdict = _root_cause(codes, error_files, final=now - first_failure >= _WAIT_FOR_CULPRIT)
+            if verdict is not None and verdict[1].startswith("did not arrive"):
+                # Ranks that did not arrive are stuck elsewhere. The ranks of other groups waiting for
+                # them time out about now: give them the culprit's grace to name theirs too.
+                failed = sum(code not in (None, 0) for code in codes)
+                if failed > n_failed:
+                    n_failed, last_failure = failed, now
+                if now - last_failure < _WAIT_FOR_CULPRIT and now - first_failure < _WAIT_FOR_BLAME:  # type: ignore[operator]
+                    verdict = None
             if verdict is not None:
                 blamed, what = verdict
+                own_codes = [code for code in codes if code]
                 # A rank that did not arrive at a collective is stuck elsewhere: it is stopped too.
                 stuck = what.startswith("did not arrive")
-                reported = [c for rank, c in enumerate(codes) if c not in (None, 0) and rank != blamed]
-                others = [p for rank, p in enumerate(procs) if rank != blamed and p.poll() is None]
-                it = "it and " if stuck and codes[blamed] is None else ""
+                absent = [blamed]
+                if stuck:
+                    absent = sorted({blamed, *_not_arrived(error_files)})
+                    absent = [r for r in absent if 0 <= r < len(procs)]
+                    blamed = absent[0]
+                running = [r for r in absent if stuck and codes[r] is None]
+                others = [p for rank, p in enumerate(procs) if rank not in absent and p.poll() is None]
+                who = ", ".join(f"{r} (pid {procs[r].pid})" for r in absent)
+                them = ("them and " if len(running) > 1 else "it and ") if running else ""
                 print(
-                    f"fshard.run: rank {blamed} (pid {procs[blamed].pid}) {what}; "
-                    f"terminating {it}the {len(others)} other running rank(s)",
+                    f"fshard.run: rank{'s' if len(absent) > 1 else ''} {who} {what}; "
+                    f"terminating {them}the {len(others)} other running rank(s)",
                     file=sys.stderr,
                     flush=True,
                 )
-                for proc in others + ([procs[blamed]] if stuck and codes[blamed] is None else []):
+                for proc in others + [procs[r] for r in running]:
                     proc.terminate()  # the blamed rank, if still running, is ending by itself (unless stuck)
                 kill_at = now + _KILL_AFTER_FAILURE
             if kill_at is not None and now >= kill_at:
@@ -332,10 +360,10 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
         if blamed is None:
             return 0, False
         # The blamed rank's code; if it somehow exited with 0 after recording, the first failure's; if
-        # it was stopped by the launcher for not arriving, the code of a rank that reported it (not
-        # that of a rank the launcher then terminated).
+        # it was stopped by the launcher for not arriving, the code of a rank that failed by itself
+        # (not that of a rank the launcher then terminated).
         if stuck:
-            return exit_status(reported[0] if reported else 1), False
+            return exit_status(next(iter(own_codes), 1)), False
         return exit_status(codes[blamed] or next(code for code in codes if code)), False
     finally:
         for proc in procs:

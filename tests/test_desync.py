@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -187,6 +188,151 @@ def test_disagreeing_collectives_raise_on_every_rank_of_the_group_before_sending
         torch.testing.assert_close(got[r]["agree"][1], total)
 
 
+# -- always on: a skipped collective is caught when it ends, by the tags sent with the data ----------
+
+TAG_FIX = (
+    "Its result was not returned: every rank of the group raised this error when the collective ended (its "
+    "tag disagreed). Every rank must issue the same collectives over a group in the same order (op, axes, "
+    "shape, dtype, call site): look for a collective in a branch on the rank or on per-rank data (if rank "
+    "== 0, a loop whose length differs by rank) and make every rank reach it. fs.debug() (or "
+    "FSHARD_DEBUG=1) checks each collective before it is sent"
+)
+
+
+def _tag_message(axes, ranks, groups):
+    bullets = "\n".join(f"  - {who}: {what}" for who, what in groups)
+    return f"fshard: the ranks of the group over {axes} ({ranks}) ran different collectives together:\n{bullets}\n{TAG_FIX}"
+
+
+def _rank_skips_without_debug(X):
+    import torch.distributed as dist
+
+    from fshard import _watchdog
+
+    rank = dist.get_rank()
+    out = {}
+
+    def attempt(name, mesh, spec, f, x=X):
+        _watchdog.reset()  # every case starts at collective #1 on every rank
+        try:
+            out[name] = ("value", fs.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec)(x).local)
+        except fs.CollectiveError as err:
+            out[name] = ("error", str(err))
+
+    dp = fs.Mesh(dp=4)
+
+    def skip_psum(x):
+        a = fs.psum(x, "dp") if rank != 2 else x  # tag-psum-first
+        return fs.psum(a, "dp") * 1.0  # tag-psum-second
+
+    def skip_pmax(x):
+        a = fs.pmax(x, "dp") if rank != 0 else x  # tag-pmax-first
+        return fs.pmax(a + 1.0, "dp")  # tag-pmax-second
+
+    def skip_gather(x):
+        a = fs.all_gather(x, "dp", dim=0, tiled=True)[4:8] if rank != 3 else x  # tag-gather-first
+        return fs.all_gather(a, "dp", dim=0, tiled=True)[:4]  # tag-gather-second
+
+    def skip_scatter(x):
+        a = fs.psum_scatter(x, "dp", dim=0, tiled=True).repeat(4) if rank != 1 else x  # tag-scatter-first
+        pending = fs.psum_scatter(a, "dp", dim=0, tiled=True, async_op=True)  # tag-scatter-second
+        return pending.wait().repeat(4)
+
+    for name, f in (
+        ("psum", skip_psum),
+        ("pmax", skip_pmax),
+        ("gather", skip_gather),
+        ("scatter", skip_scatter),
+    ):
+        attempt(name, dp, "(dp b)", f)
+    attempt("psum_bf16", dp, "(dp b)", skip_psum, X.to(torch.bfloat16))
+
+    mesh2 = fs.Mesh(dp=2, tp=2)
+
+    def skip_tp(x):
+        a = fs.psum(x, "tp") if rank != 3 else x  # tag-tp-first
+        return fs.psum(a * 2.0, "tp")  # tag-tp-second
+
+    attempt("skip_tp", mesh2, "(dp tp b)", skip_tp)
+
+    def agree(x):  # every collective on every rank, per-rank values: no false alarm, values intact
+        s = fs.psum(x, "dp") + fs.pmax(x, "dp") + fs.psum(x.to(torch.bfloat16), "dp").float()
+        g = fs.all_gather(x, "dp", dim=0, tiled=True)[:4]
+        return s + g + fs.psum_scatter(x.repeat(4), "dp", dim=0, tiled=True) + fs.all_to_all(x, "dp", 0, 0)
+
+    attempt("agree", dp, "(dp b)", agree)
+    return out
+
+
+def test_a_skipped_collective_raises_on_every_rank_without_debug_mode():
+    X = torch.arange(16.0)
+    start = time.monotonic()
+    got = run_ranks(4, _rank_skips_without_debug, X)
+    assert time.monotonic() - start < BOUND
+    world = "ranks 0, 1, 2, 3"
+
+    def at(marker):
+        return f"at {HERE}:{_line(marker)}"
+
+    def pair(op, api, dtype, marker):
+        return f"#1 {op} (fs.{api}) over dp of {dtype} (4,) {at(marker)}"
+
+    expected = {
+        "psum": [
+            ("ranks 0, 1, 3", pair("all_reduce", "psum", "float32", "tag-psum-first")),
+            ("rank 2", pair("all_reduce", "psum", "float32", "tag-psum-second")),
+        ],
+        "pmax": [
+            ("rank 0", pair("all_reduce", "pmax", "float32", "tag-pmax-second")),
+            ("ranks 1, 2, 3", pair("all_reduce", "pmax", "float32", "tag-pmax-first")),
+        ],
+        "gather": [
+            ("ranks 0, 1, 2", pair("all_gather", "all_gather", "float32", "tag-gather-first")),
+            ("rank 3", pair("all_gather", "all_gather", "float32", "tag-gather-second")),
+        ],
+        "scatter": [
+            (
+                "ranks 0, 2, 3",
+                f"#1 reduce_scatter (fs.psum_scatter) over dp of float32 (4, 1) {at('tag-scatter-first')}",
+            ),
+            (
+                "rank 1",
+                f"#1 reduce_scatter (fs.psum_scatter) over dp of float32 (4, 1) {at('tag-scatter-second')}",
+            ),
+        ],
+        "psum_bf16": [
+            ("ranks 0, 1, 3", pair("all_reduce", "psum", "bfloat16", "tag-psum-first")),
+            ("rank 2", pair("all_reduce", "psum", "bfloat16", "tag-psum-second")),
+        ],
+    }
+    for name, groups in expected.items():
+        message = _tag_message("dp", world, groups)
+        assert [g[name] for g in got] == [("error", message)] * 4, name  # the same on every rank
+    # 2-axis mesh: only rank 3's tp group (ranks 2, 3) disagrees; ranks 0, 1 get the right value.
+    tp_message = _tag_message(
+        "tp",
+        "ranks 2, 3",
+        [
+            ("rank 2", f"#1 all_reduce (fs.psum) over tp of float32 (4,) {at('tag-tp-first')}"),
+            ("rank 3", f"#1 all_reduce (fs.psum) over tp of float32 (4,) {at('tag-tp-second')}"),
+        ],
+    )
+    assert [g["skip_tp"][0] for g in got] == ["value", "value", "error", "error"]
+    assert got[2]["skip_tp"][1] == got[3]["skip_tp"][1] == tp_message
+    blocks = X.reshape(2, 2, 4)  # [dp, tp, b]
+    want = blocks.sum(1, keepdim=True) * 2 * 2  # psum(psum(x) * 2)
+    for r in (0, 1):
+        torch.testing.assert_close(got[r]["skip_tp"][1], want[0, 0])
+    # Agreeing ranks: the values of plain torch on the global tensor.
+    B = X.reshape(4, 4)  # row r: rank r's block
+    for r in range(4):
+        assert got[r]["agree"][0] == "value"
+        scatter = B.sum(0)  # psum_scatter of x.repeat(4): block r of the sum, the sum of the blocks
+        a2a = B[:, r]  # all_to_all(split 0, concat 0): element r of every rank's block
+        want = B.sum(0) + B.max(0).values + B.sum(0) + B[0] + scatter + a2a  # psum in bf16: exact integers
+        torch.testing.assert_close(got[r]["agree"][1], want)
+
+
 # -- a rank stuck outside a collective: hang report, timeout error, launcher -------------------------
 
 STUCK_SCRIPT = """
@@ -258,6 +404,16 @@ def test_fshard_run_names_the_rank_that_did_not_arrive(tmp_path):
         f'      File "{script}", line {at_sleep}, in <module>: time.sleep(60)  # stuck in its own data loading'
     )
     assert lines[4].startswith(f"  rank 3: {waiting} ")
+    # One full report: the other waiting ranks point to rank 0's.
+    assert len(re.findall(r"^fshard: rank \d has waited .*:$", out.stderr, re.M)) == 1, out.stderr
+    pointers = re.findall(r"^fshard: rank (\d) has waited \d+ s in (.*)$", out.stderr, re.M)
+    assert sorted(r for r, _ in pointers if r != "0") == ["1", "3"], out.stderr
+    for r, rest in pointers:
+        if r != "0":
+            assert (
+                rest
+                == f"{psum} (over ranks 0, 1, 2, 3); rank 2 of the group has not arrived (rank 0 prints where every rank is)"
+            )
     # The error that ends the wait names rank 2; so does the launcher's last line.
     assert re.search(
         rf"fshard\.CollectiveError: rank \d timed out after \d+ s waiting in {re.escape(psum)} \(over ranks "
@@ -317,3 +473,175 @@ def test_hang_report_must_be_a_positive_number():
     assert str(info.value) == (
         "fshard.init(): hang_report must be a positive number of seconds (or None for no report), got 0"
     )
+
+
+# -- a 3-axis mesh (8 ranks) and torchrun -------------------------------------------------------------
+
+EIGHT_SCRIPT = """
+import json, os, time, torch
+import torch.distributed as dist
+import fshard as fs
+
+fs.init(timeout=6, hang_report=2)
+rank = dist.get_rank()
+open(os.path.join(os.environ["PID_DIR"], str(rank)), "w").write(str(os.getpid()))
+mesh = fs.Mesh(dp=2, tp=2, pp=2)
+x = torch.arange(16.0)
+
+def skip(x):
+    a = fs.psum(x, "tp") if rank != 5 else x  # first
+    return fs.psum(a, "tp")  # second
+
+try:
+    y = fs.shard_map(skip, mesh=mesh, in_specs="(dp tp pp b)", out_specs="(dp tp pp b)")(x)
+    result = ["value", y.local.tolist()]
+except fs.CollectiveError as err:
+    result = ["error", str(err)]
+open(os.path.join(os.environ["PID_DIR"], f"result{rank}"), "w").write(json.dumps(result))
+
+@fs.shard_map(mesh=mesh, in_specs="(dp tp pp b)", out_specs="(tp b)")
+def total(x):
+    return fs.psum(x, ("dp", "pp"))  # total
+
+if rank in (5, 6):
+    print(f"sleeping at t={time.time():.3f}", flush=True)
+    time.sleep(60)  # stuck
+print(total(x).tolist(), flush=True)
+"""
+
+
+def _src_line(script: str, marker: str) -> int:
+    return next(i + 1 for i, t in enumerate(script.splitlines()) if t.endswith(f"# {marker}"))
+
+
+def _assert_gone(pid_dir: Path, n: int) -> None:
+    pids = [int((pid_dir / str(r)).read_text()) for r in range(n)]
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in _status(pid)]
+        time.sleep(0.1)
+    assert not alive, f"ranks left behind: {alive}"
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+def test_a_3_axis_mesh_names_the_skipping_rank_and_every_rank_that_did_not_arrive(tmp_path):
+    script = tmp_path / "eight.py"
+    script.write_text(EIGHT_SCRIPT)
+    env = {**_clean_env(), "PID_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "fshard.run", "-n", "8", str(script)],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    slept = max(float(t) for t in re.findall(r"sleeping at t=([0-9.]+)", out.stdout))
+    assert time.time() - slept < BOUND, out.stderr
+    assert out.returncode == 1, out.stderr
+    _assert_gone(tmp_path, 8)
+    # The skipped psum over tp: rank 5's group (ranks 5, 7) raises; every other rank has plain torch's value.
+    got = {r: tuple(json.loads((tmp_path / f"result{r}").read_text())) for r in range(8)}
+    first, second = (_src_line(EIGHT_SCRIPT, m) for m in ("first", "second"))
+    message = _tag_message(
+        "tp",
+        "ranks 5, 7",
+        [
+            ("rank 5", f"#1 all_reduce (fs.psum) over tp of float32 (2,) at eight.py:{second}"),
+            ("rank 7", f"#1 all_reduce (fs.psum) over tp of float32 (2,) at eight.py:{first}"),
+        ],
+    )
+    B = torch.arange(16.0).reshape(2, 2, 2, 2)  # [dp, tp, pp, b]
+    for r in range(8):
+        dp, pp = r // 4, r % 2
+        if r in (5, 7):
+            assert got[r] == ("error", message)
+        else:
+            assert got[r][0] == "value"
+            torch.testing.assert_close(torch.tensor(got[r][1]), 2 * B[dp, :, pp].sum(0))
+    # Ranks 5 and 6 sleep before the psum over (dp, pp): one hang report per group, the rest point to it.
+    psum = (
+        f"#1 all_reduce (fs.psum) over dp,pp of float32 (2,) at eight.py:{_src_line(EIGHT_SCRIPT, 'total')}"
+    )
+    full = re.findall(r"^fshard: rank (\d) has waited \d+ s in (.*):$", out.stderr, re.M)
+    assert sorted(full) == [
+        ("0", f"{psum} (over ranks 0, 1, 4, 5); rank 5 of the group has not arrived"),
+        ("2", f"{psum} (over ranks 2, 3, 6, 7); rank 6 of the group has not arrived"),
+    ], out.stderr
+    pointers = re.findall(
+        r"^fshard: rank (\d) has waited \d+ s in .*\(rank (\d) prints where every rank is\)$",
+        out.stderr,
+        re.M,
+    )
+    assert sorted(pointers) == [("1", "0"), ("3", "2"), ("4", "0"), ("7", "2")], out.stderr
+    launcher = [line for line in out.stderr.splitlines() if line.startswith("fshard.run:")]
+    assert len(launcher) == 1, out.stderr
+    assert re.fullmatch(
+        rf"fshard\.run: ranks 5 \(pid \d+\), 6 \(pid \d+\) did not arrive at {re.escape(psum)}, where rank \d "
+        r"timed out waiting for it after \d+ s; terminating them and the \d other running rank\(s\)",
+        launcher[0],
+    ), out.stderr
+
+
+TORCHRUN_SCRIPT = """
+import os, time, torch
+import torch.distributed as dist
+import fshard as fs
+
+fs.init(timeout=6, hang_report=2)
+rank = dist.get_rank()
+open(os.path.join(os.environ["PID_DIR"], str(rank)), "w").write(str(os.getpid()))
+mesh = fs.Mesh(dp=4)
+
+@fs.shard_map(mesh=mesh, in_specs="(dp b)", out_specs="b")
+def total(x):
+    return fs.psum(x, "dp")  # total
+
+if rank == 1:
+    print(f"sleeping at t={time.time():.3f}", flush=True)
+    time.sleep(60)  # stuck
+print(total(torch.arange(8.0)).tolist(), flush=True)
+"""
+
+
+def test_torchrun_names_the_rank_that_did_not_arrive(tmp_path):
+    script = tmp_path / "under_torchrun.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**_clean_env(), "PID_DIR": str(tmp_path)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(script),
+    ]
+    out = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=110)
+    slept = float(re.search(r"sleeping at t=([0-9.]+)", out.stdout).group(1))
+    assert time.time() - slept < BOUND, out.stderr
+    assert out.returncode != 0, out.stderr
+    _assert_gone(tmp_path, 4)
+    psum = f"#1 all_reduce (fs.psum) over dp of float32 (2,) at under_torchrun.py:{_src_line(TORCHRUN_SCRIPT, 'total')}"
+    stuck = f"under_torchrun.py:{_src_line(TORCHRUN_SCRIPT, 'stuck')} in <module>: time.sleep(60)  # stuck"
+    full = re.findall(r"^fshard: rank (\d) has waited \d+ s in (.*):$", out.stderr, re.M)
+    assert full == [("0", f"{psum} (over ranks 0, 1, 2, 3); rank 1 of the group has not arrived")], out.stderr
+    assert f"  rank 1: has finished no fshard collective and is at {stuck}\n" in out.stderr
+    errors = re.findall(
+        r"fshard\.CollectiveError: rank (\d) timed out after \d+ s waiting in (.*)\n", out.stderr
+    )
+    assert errors, out.stderr
+    for _, rest in errors:
+        assert rest == (
+            f"{psum} (over ranks 0, 1, 2, 3): rank 1 did not arrive (rank 1 has finished no fshard collective and "
+            f"is at {stuck}). Every rank of a group must reach each of its collectives within the timeout "
+            f"(fs.init(timeout=...)): look for work the missing rank does alone (data loading, evaluation or "
+            f"saving on one rank), or a collective it skipped"
+        )
