@@ -245,11 +245,121 @@ def _stages(n: int):
     return errs
 
 
+def _duals(n: int):
+    """A dual whose tangent varies more than its primal (an invariant parameter, a tangent made from
+    split data) varies like its tangent: a psum of the tangent sums it over the ranks (not the axis
+    size times this rank's), and the replication check refuses it as a replicated output."""
+    import torch.autograd.forward_ad as fwAD
+
+    import fshard as fs
+
+    errs: list[str] = []
+    mesh = fs.Mesh(**MESHES[n])
+    axes = tuple(mesh.axis_names)
+    x, w = randn(11, 2 * n, 3, dtype=DT), randn(12, 3, dtype=DT)
+    want = x.view(n, 2, 3)[:, 0].sum(0)  # the first row of every rank's block, summed
+    specs = dict(mesh=mesh, in_specs=(f"({' '.join(axes)} b) d", "d"))
+
+    def through_jvp(x, w):
+        return jvp(lambda w: fs.psum(w * 1.0, axes), (w,), (x[0],))[1]
+
+    def through_forward_ad(x, w):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(fs.psum(fwAD.make_dual(w, x[0]) * 1.0, axes)).tangent
+
+    def jvp_of_collective(x, w):  # the tangent meets the collective directly
+        return jvp(lambda w: fs.psum(w, axes), (w,), (x[0],))[1]
+
+    for fn in (through_jvp, through_forward_ad, jvp_of_collective):
+        close(
+            errs,
+            f"psum of a varying tangent ({fn.__name__})",
+            fs.shard_map(fn, **specs, out_specs="d")(x, w),
+            want,
+            DT,
+        )
+    msgs = []
+    for fn in (
+        lambda x, w: jvp(lambda w: w * 2.0, (w,), (x[0],))[1],
+        lambda x, w: jvp(lambda w: w, (w,), (x[0],))[1],
+    ):
+        fn.__name__ = fn.__qualname__ = "f"
+        try:
+            fs.shard_map(fn, **specs, out_specs="d")(x, w)
+            msgs.append("no error")
+        except fs.SpecError as e:
+            msgs.append(str(e))
+    return errs, msgs
+
+
+def _refusals():
+    """Transfers to or from one rank under a transform: an ArgumentError on every rank, before any
+    communication, naming the construct, the transform and the fix."""
+    import fshard as fs
+
+    mesh = fs.Mesh(dp=2)
+    w = randn(1, 5, 3, dtype=DT)
+    progs = [
+        lambda: vmap(lambda w: fs.shard(w, mesh, "(dp r) c", src=0).full())(torch.stack([w, w])),
+        lambda: jvp(lambda w: fs.shard(w, mesh, "(dp r) c").full(dst=0), (w,), (w,)),
+        lambda: vmap(lambda w: fs.full({"w": fs.shard(w, mesh, "(dp r) c")}, dst=1)["w"])(
+            torch.stack([w, w])
+        ),
+        lambda: grad(lambda w: fs.reduce_to(w.sum(), mesh))(w),
+    ]
+    msgs = []
+    for prog in progs:
+        try:
+            prog()
+            msgs.append("no error")
+        except fs.ArgumentError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def _job(n: int):
+    errs = _constructs(n) + _stages(n)
+    more, msgs = _duals(n)
+    return errs + more, msgs, _refusals() if n == 2 else None
+
+
+REPLICATED = (
+    "fs.shard_map(f): 1 problem with out_specs (replication check):\n"
+    "  - out varies over mesh axis dp but out_spec 'd' says it is replicated over dp; reduce it inside f "
+    "(fs.psum / fs.pmean over 'dp'), mark it as a partial sum with '| sum(dp)', split a dim over dp in the "
+    "out_spec, or pass check=False if you know it is the same on every rank"
+)
+
+
+REFUSALS = [
+    "fs.shard(src=0) under torch.func.vmap: the scatter from rank 0 has no batching or forward-mode rule; call "
+    "fs.shard without src (every rank passes the global tensor and keeps its block: no communication), or outside "
+    "the transform",
+    "Sharded.full(dst=0) under torch.func.jvp (forward mode: jvp, jacfwd, hessian): the gather to rank 0 is not "
+    "differentiable and has no batching rule; call .full() inside the transform (every rank gets the value), and "
+    ".full(dst=0) on the transform's result",
+    "fs.full(tree, dst=1) under torch.func.vmap: the gather to rank 1 is not differentiable and has no batching "
+    "rule; call fs.full(tree) inside the transform (every rank gets the values), and fs.full(..., dst=1) on the "
+    "transform's result",
+    "fs.reduce_to under torch.func.grad (reverse mode: grad, vjp, jacrev): the sum onto one rank is not "
+    "differentiable and has no batching rule; call it on the transform's result, or sum inside fs.shard_map with "
+    "fs.psum",
+]
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_constructs_under_transforms(n):
-    assert_ok(run_ranks(n, _constructs, n))
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_switch_and_per_rank_under_transforms(n):
-    assert_ok(run_ranks(n, _stages, n))
+    """remat, fsdp_scan, switch / PerRank, Sharded boundaries, fs.value_and_grad and duals on 1-, 2-
+    and 3-axis meshes; on 2 ranks also the refusals, with their full messages."""
+    results = run_ranks(n, _job, n)
+    assert_ok([errs for errs, _, _ in results])
+    if n == 2:
+        want = [REPLICATED] * 2
+        for _, msgs, refusals in results:
+            assert msgs == want
+            assert refusals == REFUSALS
+    else:  # the same refusal, naming every axis
+        for _, msgs, _ in results:
+            assert all(
+                m.startswith("fs.shard_map(f): 1 problem with out_specs (replication check)") for m in msgs
+            ), msgs
