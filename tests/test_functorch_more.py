@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.func import grad, grad_and_value, jacrev, jvp, vmap
+from torch.func import grad, grad_and_value, jacfwd, jacrev, jvp, vmap
 
 from tests.conftest import run_ranks
 from tests.helpers import assert_ok, close, randn
@@ -49,6 +49,8 @@ def _loss_ref(w, x):
 def _constructs(n: int):
     """remat, fsdp_scan, shard / full / reshard, Sharded inputs and fs.value_and_grad under vmap,
     jvp and grad, on a mesh of ``n`` ranks with the batch cut unevenly over all its axes."""
+    import torch.distributed as dist
+
     import fshard as fs
 
     errs: list[str] = []
@@ -76,6 +78,7 @@ def _constructs(n: int):
     got, want = jvp(lambda w: loss(w, x), (w,), (v,)), jvp(lambda w: _loss_ref(w, x), (w,), (v,))
     close(errs, "remat jvp tangent", got[1], want[1], DT)
     close(errs, "remat jacrev", jacrev(lambda w: loss(w, x))(w), jacrev(_loss_ref)(w, x), DT)
+    close(errs, "remat jacfwd", jacfwd(lambda w: loss(w, x))(w), jacrev(_loss_ref)(w, x), DT)
 
     def per_example(w, x):  # inside f: per-example gradients through a remat'd layer
         return vmap(grad(lambda w, xi: (lay(xi, w) ** 2).sum()), in_dims=(None, 0))(fs.pvary(w, axes), x)
@@ -120,6 +123,7 @@ def _constructs(n: int):
     got, want = jvp(scan_of, (l0,), (t0,)), jvp(lambda w: scan_ref(w, xf), (l0,), (t0,))
     close(errs, "fsdp_scan jvp primal", got[0], want[0], DT)
     close(errs, "fsdp_scan jvp tangent", got[1], want[1], DT)
+    close(errs, "fsdp_scan jacfwd", jacfwd(scan_of)(l0), g1, DT)
 
     # -- fs.shard / .full() / reshard outside shard_map, and a Sharded input, under vmap and jvp
     wide = randn(9, 5, 6, dtype=DT)  # 5 rows over dp: uneven
@@ -136,6 +140,15 @@ def _constructs(n: int):
     _same_counts(errs, "shard / reshard / full under vmap", c, c1)
     got = jvp(moved, (wide,), (wb[2],))
     close(errs, "shard / reshard / full jvp tangent", got[1], wb[2], DT)
+    # the gradient reaches this rank's block of the global tensor (as in eager autograd): summed over
+    # the ranks, each block once per copy (the ranks along the axes other than dp hold copies)
+    got = grad(lambda w: (moved(w) ** 2).sum())(wide)
+    leaf = wide.clone().requires_grad_(True)
+    (eager,) = torch.autograd.grad((moved(leaf) ** 2).sum(), leaf)
+    close(errs, "shard / reshard / full grad (as eager autograd)", got, eager, DT)
+    total = got.clone()
+    dist.all_reduce(total)
+    close(errs, "shard / reshard / full grad (summed over ranks)", total / (n // 2), 2 * wide, DT)
     S = fs.shard(wide, mesh, "(dp r) c")
     fS = fs.shard_map(
         lambda s, x: fs.pmean(torch.sin(x @ s).sum(), axes), mesh=mesh, in_specs=("r c", batch), out_specs=""
@@ -162,6 +175,8 @@ def _constructs(n: int):
     _same_counts(errs, "vmap(fs.value_and_grad) of f", c, c1)
     (ls, aux), gs = vmap(fs.value_and_grad(lambda w: (loss(w, x), w.sum()), has_aux=True))(ens)
     close(errs, "vmap(fs.value_and_grad(has_aux)) aux", aux, ens.sum((1, 2)), DT)
+    got = jvp(lambda w: fs.grad(lambda w: loss(w, x))(w), (w,), (v,))  # forward over reverse: an hvp
+    close(errs, "jvp(fs.grad) (hvp)", got[1], jvp(lambda w: grad(_loss_ref)(w, x), (w,), (v,))[1], DT)
 
     def ens_inside(e, x):
         return vmap(fs.value_and_grad(lambda w: fs.psum((_layer(x, w) ** 2).sum(), axes)))(e)
