@@ -10,6 +10,7 @@ docs/tutorial/08-transforms.md lists what these tests check.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -164,6 +165,24 @@ def _constructs(n: int):
     got = jvp(lambda x: fS(S, x), (xs,), (xs * 0.5,))
     want = jvp(lambda x: torch.sin(x @ wide).sum() / n, (xs,), (xs * 0.5,))
     close(errs, "Sharded input, jvp tangent", got[1], want[1], DT)
+
+    # -- check=False: a varying output taken as replicated (its cotangent divided by the copies)
+    unchecked = fs.shard_map(
+        lambda w, x: (_layer(x[:1], w) ** 2).sum() * 0 + (w**2).sum(),
+        mesh=mesh,
+        in_specs=("d h", batch),
+        out_specs="",
+        check=False,
+    )
+    with fs.count_collectives() as c1:
+        grad(lambda w: unchecked(w, x))(w)
+    with fs.count_collectives() as c:
+        got = vmap(grad(lambda w: unchecked(w, x)))(ens)
+    close(errs, "check=False vmap(grad)", got, 2 * ens, DT)
+    _same_counts(errs, "check=False vmap(grad)", c, c1)
+    close(
+        errs, "check=False jvp tangent", jvp(lambda w: unchecked(w, x), (w,), (v,))[1], 2 * (w * v).sum(), DT
+    )
 
     # -- fs.value_and_grad under vmap: an ensemble, of f and inside f; a Sharded parameter
     with fs.count_collectives() as c1:
@@ -322,14 +341,16 @@ def _refusals():
         ),
         lambda: grad(lambda w: fs.reduce_to(w.sum(), mesh))(w),
     ]
-    msgs = []
+    msgs, slowest = [], 0.0
     for prog in progs:
+        t0 = time.monotonic()
         try:
             prog()
             msgs.append("no error")
         except fs.ArgumentError as e:
             msgs.append(str(e))
-    return msgs
+        slowest = max(slowest, time.monotonic() - t0)
+    return msgs, slowest
 
 
 def _job(n: int):
@@ -372,7 +393,9 @@ def test_constructs_under_transforms(n):
         want = [REPLICATED] * 2
         for _, msgs, refusals in results:
             assert msgs == want
-            assert refusals == REFUSALS
+            msgs, slowest = refusals
+            assert msgs == REFUSALS
+            assert slowest < 10, f"a refusal took {slowest:.1f} s: it waited for the other ranks"
     else:  # the same refusal, naming every axis
         for _, msgs, _ in results:
             assert all(
