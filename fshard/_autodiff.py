@@ -53,9 +53,13 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
     a Sharded gradient in its own layout, a plain tensor its full gradient. ``f`` must
     return a scalar tensor (or ``(scalar, aux)`` with ``has_aux=True``).
 
+    Under torch.func transforms it differentiates with ``torch.func.grad_and_value``, so
+    ``vmap`` of it trains an ensemble and ``jvp`` of it gives Hessian-vector products.
+
     Examples:
         >>> loss_and_grads = fs.value_and_grad(loss_fn)
         >>> loss, grads = loss_and_grads(params, batch)
+        >>> losses, grads = torch.func.vmap(fs.value_and_grad(loss_fn), in_dims=(0, None))(ensemble, batch)
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 

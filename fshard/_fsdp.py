@@ -74,6 +74,10 @@ def fsdp_scan(
     padded to the longest block and are cut back, and so do their gradients; the scan then
     first compares its leaves' block shapes across ``axis`` (one small all-gather per call).
 
+    Under torch.func transforms (``vmap``, ``jvp``, ``grad``, ``jacrev``, ...) each split leaf is
+    gathered by its own all-gather when its layer is reached (no prefetch; the gathered copies
+    are kept for the backward): the transforms do not compose with the saved-tensor hooks.
+
     Examples:
         >>> @fs.shard_map(mesh=mesh, in_specs=(specs, "(dp b) d"), out_specs="")
         ... def loss_fn(params, x):   # specs["blocks"]: one {"w": "(dp d) f", "b": "(dp f)"} per layer
