@@ -9,6 +9,7 @@ import torch
 
 from . import _buckets, _vma
 from ._errors import FshardError
+from ._primitives import _functorch_active
 from ._sharded import Sharded
 
 __all__ = ["value_and_grad", "grad"]
@@ -52,9 +53,13 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
     a Sharded gradient in its own layout, a plain tensor its full gradient. ``f`` must
     return a scalar tensor (or ``(scalar, aux)`` with ``has_aux=True``).
 
+    Under torch.func transforms it differentiates with ``torch.func.grad_and_value``, so
+    ``vmap`` of it trains an ensemble and ``jvp`` of it gives Hessian-vector products.
+
     Examples:
         >>> loss_and_grads = fs.value_and_grad(loss_fn)
         >>> loss, grads = loss_and_grads(params, batch)
+        >>> losses, grads = torch.func.vmap(fs.value_and_grad(loss_fn), in_dims=(0, None))(ensemble, batch)
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -67,16 +72,15 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
                 raise FshardError(
                     f"value_and_grad: argnums={argnums} but only {len(args)} arguments were given"
                 )
+        if _functorch_active():  # under vmap, jvp, grad, ...: torch.func's own gradient
+            return _functional(f, args, nums, argnums, has_aux)
+        for i in nums:
             preps[i] = _prepare(args[i])
             args[i] = preps[i][3]
         with torch.enable_grad():
             out = f(*args)
         value, aux = out if has_aux else (out, None)
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise FshardError(
-                f"value_and_grad: f must return a scalar tensor, got "
-                f"{type(value).__name__}{'' if not isinstance(value, torch.Tensor) else tuple(value.shape)}"
-            )
+        _check_scalar(value)
         prims = [t for i in nums for t in preps[i][2] if t is not None]
         grads = iter(torch.autograd.grad(value, prims, allow_unused=True) if prims else ())
         results = []
@@ -97,6 +101,54 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
         return ((value, aux), g_out) if has_aux else (value, g_out)
 
     return wrapped
+
+
+def _check_scalar(value) -> None:
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise FshardError(
+            f"value_and_grad: f must return a scalar tensor, got "
+            f"{type(value).__name__}{'' if not isinstance(value, torch.Tensor) else tuple(value.shape)}"
+        )
+
+
+def _differentiable(x) -> bool:
+    return isinstance(x, Sharded) or (
+        isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+    )
+
+
+def _functional(f, args, nums, argnums, has_aux):
+    """`value_and_grad` under torch.func transforms (an ensemble: ``vmap(fs.value_and_grad(loss))``),
+    by ``torch.func.grad_and_value`` over the differentiable leaves (a `Sharded` leaf's block)."""
+    preps = {i: optree.tree_flatten(args[i]) for i in nums}
+    slots = [[k for k, x in enumerate(preps[i][0]) if _differentiable(x)] for i in nums]
+    prims = [[preps[i][0][k] for k in ks] for i, ks in zip(nums, slots)]
+    prims = [[x.local if isinstance(x, Sharded) else x for x in ps] for ps in prims]
+
+    def inner(*flat):
+        call = list(args)
+        for i, ks, ps in zip(nums, slots, flat):
+            leaves, treedef = preps[i]
+            new = list(leaves)
+            for k, p in zip(ks, ps):
+                new[k] = leaves[k]._like(p) if isinstance(leaves[k], Sharded) else p
+            call[i] = optree.tree_unflatten(treedef, new)
+        out = f(*call)
+        value, aux = out if has_aux else (out, None)
+        _check_scalar(value)
+        return value, (aux,) if has_aux else ()  # torch.func refuses a None aux
+
+    gs, (value, aux) = torch.func.grad_and_value(inner, argnums=tuple(range(len(nums))), has_aux=True)(*prims)
+    aux = aux[0] if has_aux else None
+    results = []
+    for i, ks, g in zip(nums, slots, gs):
+        leaves, treedef = preps[i]
+        out_leaves: list = [None] * len(leaves)
+        for k, gk in zip(ks, g):
+            out_leaves[k] = leaves[k]._like(gk) if isinstance(leaves[k], Sharded) else gk
+        results.append(optree.tree_unflatten(treedef, out_leaves))
+    g_out = results[0] if isinstance(argnums, int) else tuple(results)
+    return ((value, aux), g_out) if has_aux else (value, g_out)
 
 
 def grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False):

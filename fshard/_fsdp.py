@@ -24,7 +24,16 @@ from ._collectives import _by_dtype, _vary
 from ._comm import untracked
 from ._errors import ArgumentError
 from ._mesh import AxisGroup
-from ._primitives import ReduceScatterCoalesced, _pack, _untracked, apply, split_blocks, unpack_gathered
+from ._primitives import (
+    AllGather,
+    ReduceScatterCoalesced,
+    _functorch_active,
+    _pack,
+    _untracked,
+    apply,
+    split_blocks,
+    unpack_gathered,
+)
 from ._spec import parse_spec
 
 __all__ = ["fsdp_scan"]
@@ -65,6 +74,10 @@ def fsdp_scan(
     padded to the longest block and are cut back, and so do their gradients; the scan then
     first compares its leaves' block shapes across ``axis`` (one small all-gather per call).
 
+    Under torch.func transforms (``vmap``, ``jvp``, ``grad``, ``jacrev``, ...) each split leaf is
+    gathered by its own all-gather when its layer is reached (no prefetch; the gathered copies
+    are kept for the backward): the transforms do not compose with the saved-tensor hooks.
+
     Examples:
         >>> @fs.shard_map(mesh=mesh, in_specs=(specs, "(dp b) d"), out_specs="")
         ... def loss_fn(params, x):   # specs["blocks"]: one {"w": "(dp d) f", "b": "(dp f)"} per layer
@@ -86,6 +99,13 @@ def fsdp_scan(
     bits = tr.mesh.bits(g.names)
     # uneven blocks (torch.chunk's cut) travel padded to the longest and are cut back
     lens = _block_lengths(items, per_layer, stacked, g) if tr.uneven else [[None] * len(d) for d in per_layer]
+    if _functorch_active():
+        # under torch.func transforms (vmap, jvp, grad, jacrev, ...): each leaf gathered when its layer
+        # is reached, by the all-gather whose batching and forward-mode rules the collectives have
+        # (no prefetch, no placeholders: saved tensor hooks do not compose with the transforms)
+        for get, ldims, llens in zip(items, per_layer, lens):
+            h = layer_fn(_gathered_plain(get(), ldims, llens, g, tr, bits), h)
+        return h
     states: list[_Layer] = []
     for get, ldims, llens in zip(items, per_layer, lens):
         states.append(_Layer(get, ldims, llens, g, tr, bits, states[-1] if states else None, prefetch))
@@ -299,6 +319,19 @@ def _spread(ct: torch.Tensor, g: AxisGroup, dim: int, lens) -> torch.Tensor:
     shape = list(blocks.shape[1:])
     shape[dim] *= g.size
     return blocks.movedim(0, dim).reshape(shape)
+
+
+def _gathered_plain(tree, dims, lens, g: AxisGroup, tr, bits: int):
+    """One layer's pytree with its split leaves gathered one by one (`fsdp_scan` under torch.func)."""
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+    for j, (d, ln) in enumerate(zip(dims, lens)):
+        if d is not None:
+            x = _vary(leaves[j], tr, _vma.get(leaves[j], tr), bits)
+            y = apply(AllGather, x, g, d, True if ln is None else tuple(ln))
+            _vma.tag(y, tr, _vma.get(x, tr) | bits)
+            y._fshard_gathered = g.names
+            leaves[j] = y
+    return treedef.unflatten(leaves)
 
 
 class _Layer:

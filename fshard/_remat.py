@@ -14,6 +14,7 @@ import functools
 import torch.utils.checkpoint
 
 from . import _vma
+from ._primitives import _functorch_active
 
 __all__ = ["remat"]
 
@@ -24,6 +25,8 @@ def remat(fn):
     Collectives inside ``fn`` run again during the backward (an FSDP layer's all_gather is
     issued twice: in the forward and in the recomputation), in exchange for not keeping the
     gathered parameters and the activations of ``fn`` alive between forward and backward.
+    Under torch.func transforms (``vmap``, ``jvp``, ``grad``, ``jacrev``, ...) ``fn`` runs as
+    is: its intermediates are kept (the transforms do not support recomputation hooks).
 
     Examples:
         >>> @fs.remat
@@ -34,6 +37,10 @@ def remat(fn):
 
     @functools.wraps(fn)
     def inner(*args, **kwargs):
+        if _functorch_active():
+            # under torch.func transforms: computed once and kept (torch.func.grad, vjp, jacrev and
+            # hessian do not support checkpoint's saved tensor hooks); the values are the same
+            return fn(*args, **kwargs)
         tr = _vma.active()
 
         def run(*a, **k):

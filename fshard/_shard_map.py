@@ -560,6 +560,14 @@ class _ScaleCotangent(torch.autograd.Function):
     def backward(ctx, ct):
         return ct * ctx.scale, None
 
+    @staticmethod
+    def jvp(ctx, x_t, _):  # the forward is the identity
+        return x_t.clone()
+
+    @staticmethod
+    def vmap(info, in_dims, x, scale):
+        return _apply(_ScaleCotangent, x, scale), in_dims[0]
+
 
 def _scale_unchecked(leaves: list, plans, tr) -> list:
     """Under ``check=False``: divide the cotangent of each output tracked as varying over axes its

@@ -15,7 +15,7 @@ from . import _comm, _vma
 from ._errors import ArgumentError, CollectiveError, MeshError, SpecError
 from ._layout import Layout, bind_or_raise, chunk_sizes
 from ._mesh import Mesh
-from ._primitives import AllGatherInvariant, AllToAll, LocalSlice
+from ._primitives import AllGatherInvariant, AllToAll, LocalSlice, _functorch_active
 from ._primitives import apply as _apply
 from ._spec import Spec
 
@@ -190,6 +190,11 @@ class Sharded:
             >>> full_w = w.full(dst=0)        # the tensor on rank 0, None on the others
         """
         if dst is not None:
+            _refuse_transform(
+                f"Sharded.full(dst={dst})",
+                f"the gather to rank {dst} is not differentiable and has no batching rule; call .full() inside "
+                f"the transform (every rank gets the value), and .full(dst={dst}) on the transform's result",
+            )
             return _gather_to(self, _check_dst(self.mesh, dst, "Sharded.full"))
         x, shape, mesh = self.local, self.shape, self.mesh
         for d, axes in enumerate(self.layout.dims):
@@ -407,12 +412,36 @@ def full(tree, dst: int | None = None):
     leaves, treedef = optree.tree_flatten(tree)
     if dst is None:
         return optree.tree_unflatten(treedef, [x.full() if isinstance(x, Sharded) else x for x in leaves])
+    _refuse_transform(
+        f"fs.full(tree, dst={dst})",
+        f"the gather to rank {dst} is not differentiable and has no batching rule; call fs.full(tree) inside "
+        f"the transform (every rank gets the values), and fs.full(..., dst={dst}) on the transform's result",
+    )
     meshes = [x.mesh for x in leaves if isinstance(x, Sharded)]
     if not meshes:  # nothing to gather
         return tree if (dist.get_rank() if dist.is_initialized() else 0) == dst else None
     _check_dst(meshes[0], dst, "fs.full")
     out = [x.full(dst) if isinstance(x, Sharded) else x for x in leaves]
     return optree.tree_unflatten(treedef, out) if _my_rank(meshes[0]) == dst else None
+
+
+def _transform_name() -> str:
+    """The innermost running torch.func transform, as the user wrote it."""
+    from torch._C._functorch import TransformType as T
+    from torch._C._functorch import peek_interpreter_stack
+
+    names = {
+        T.Vmap: "vmap",
+        T.Jvp: "jvp (forward mode: jvp, jacfwd, hessian)",
+        T.Grad: "grad (reverse mode: grad, vjp, jacrev)",
+    }
+    return "torch.func." + names.get(peek_interpreter_stack().key(), "transforms")
+
+
+def _refuse_transform(where: str, why: str) -> None:
+    """An `ArgumentError` for a transfer to or from one rank under a torch.func transform."""
+    if _functorch_active():
+        raise ArgumentError(f"{where} under {_transform_name()}: {why}")
 
 
 def reduce_to(x, mesh: Mesh, dst: int = 0, *, axis=None):
@@ -451,6 +480,11 @@ def reduce_to(x, mesh: Mesh, dst: int = 0, *, axis=None):
             "fs.reduce_to sums per-rank tensors outside fs.shard_map; inside it, use fs.psum(x, axis) "
             "(every rank gets the sum) and return the result"
         )
+    _refuse_transform(
+        "fs.reduce_to",
+        "the sum onto one rank is not differentiable and has no batching rule; call it on the transform's "
+        "result, or sum inside fs.shard_map with fs.psum",
+    )
     leaves, treedef, _ = _tensor_tree(x, "fs.reduce_to")
     dst = _check_dst(mesh, dst, "fs.reduce_to")
     names = mesh.check_axes(axis, "reduce_to") if axis is not None else mesh.axis_names
@@ -555,6 +589,11 @@ def shard(x, mesh: Mesh, spec, *, src: int | None = None):
         done = _each(lambda i: _shard_one(leaves[i], mesh, specs[i], f"fs.shard at {paths[i]}"), len(leaves))
         return optree.tree_unflatten(treedef, done)
     # scatter from one rank
+    _refuse_transform(
+        f"fs.shard(src={src})",
+        f"the scatter from rank {src} has no batching or forward-mode rule; call fs.shard without src "
+        f"(every rank passes the global tensor and keeps its block: no communication), or outside the transform",
+    )
     if not dist.is_initialized():
         return shard(x, mesh, spec)
     meta: list = [None]

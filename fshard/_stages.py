@@ -566,11 +566,23 @@ class _SwitchIn(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.token = (output[-1].dtype, output[-1].device)
 
     @staticmethod
     def backward(ctx, *cts):
         return cts[:-1]
+
+    @staticmethod
+    def jvp(ctx, *ts):  # identity: the tangents pass through, the token's is zero
+        dtype, device = ctx.token
+        return (
+            *[None if t is None else t.view_as(t) for t in ts],
+            torch.zeros((), dtype=dtype, device=device),
+        )
+
+    @staticmethod
+    def vmap(info, in_dims, *xs):
+        return _apply(_SwitchIn, *xs), (*in_dims, None)
 
 
 class _SwitchOut(torch.autograd.Function):
@@ -590,6 +602,14 @@ class _SwitchOut(torch.autograd.Function):
     def backward(ctx, *cts):
         shape, dtype, device = ctx.token
         return (torch.zeros(shape, dtype=dtype, device=device), *cts)
+
+    @staticmethod
+    def jvp(ctx, _, *ts):
+        return tuple(None if t is None else t.view_as(t) for t in ts)
+
+    @staticmethod
+    def vmap(info, in_dims, token, *ys):
+        return _apply(_SwitchOut, token, *ys), tuple(in_dims[1:])
 
 
 class _BranchGuard(TorchFunctionMode):
