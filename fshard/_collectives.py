@@ -37,7 +37,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import _comm, _scalars, _vma
+from . import _combine, _comm, _scalars, _vma
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
 from ._layout import chunk_sizes
@@ -305,6 +305,11 @@ def psum(x: _T, axis) -> _T:
         return _psum_number(x, axis, "psum")[0]
     if not isinstance(x, torch.Tensor):
         return _psum_tree(x, axis, "psum")
+    tr = _vma.active()
+    if _combine.deferrable(tr):
+        y = _psum_deferred(x, axis, tr)
+        if y is not None:
+            return y
     tr, g, bits, v = _prologue(x, axis, "psum")
     vary = bits & v
     y = x
@@ -314,6 +319,24 @@ def psum(x: _T, axis) -> _T:
     if inv:
         y = _mul_untracked(y, math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)))
     return _vma.tag(y, tr, v & ~bits) if y is not x else y
+
+
+def _psum_deferred(x, axis, tr):
+    """``psum`` of a varying tensor queued to run combined with the next ones (`_combine`), or
+    None when it cannot be (the caller then runs it at once)."""
+    g = tr.mesh.axis_group(axis, "psum")
+    bits = tr.mesh.bits(g.names)
+    held = _combine.hold(tr)  # fshard's own torch ops on x below must not flush the queue
+    try:
+        v = _vma.get(x, tr)
+        if not bits & v or bits & ~v:  # invariant over some of the axes: a product, run at once
+            return None
+        out = _combine.empty(x.shape, x)
+    finally:
+        _combine.release(tr, held)
+    key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled())
+    _combine.push(tr, key, g, x, out, 0, out.numel() * out.element_size())
+    return _vma.tag(out, tr, v & ~bits)
 
 
 def _psum_tree(tree, axis, where: str):
@@ -439,6 +462,11 @@ def all_gather(
         return _all_gather_tree(x, axis, dim, tiled, invariant)
     if async_op and not invariant and _transformed():
         return _ready(all_gather(x, axis, dim, tiled))
+    tr = _vma.active()
+    if not async_op and _combine.deferrable(tr):
+        y = _all_gather_deferred(x, axis, dim, tiled, invariant, tr)
+        if y is not None:
+            return y
     tr, g, bits, v = _prologue(x, axis, "all_gather")
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
@@ -464,6 +492,37 @@ def all_gather(
     y = _vma.tag(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
     y._fshard_gathered = g.names  # the replication check suggests invariant=True for it
     return y
+
+
+def _all_gather_deferred(x, axis, dim, tiled, invariant, tr):
+    """``all_gather`` of one tensor queued to run combined with the next ones (`_combine`), or
+    None when it cannot be (the caller then runs it at once)."""
+    if not isinstance(x, torch.Tensor):
+        return None  # the prologue's error
+    g = tr.mesh.axis_group(axis, "all_gather")
+    if g.size == 1:
+        return None
+    held = _combine.hold(tr)  # the checks below run torch ops on x, which must not flush it
+    try:
+        bits = tr.mesh.bits(g.names)
+        v = _vma.get(x, tr)
+        shape = list(x.shape)
+        dim = _norm_dim(dim, len(shape) if tiled else len(shape) + 1, "all_gather")
+        x = _vary(x, tr, v, bits)
+        if tiled:
+            shape[dim] *= g.size
+        else:
+            shape.insert(dim, g.size)
+        out = _combine.empty(shape, x)
+    finally:
+        _combine.release(tr, held)
+    key = ("all_gather", g.names, bool(tiled), bool(invariant), x.dtype, x.device, torch.is_grad_enabled())
+    _combine.push(tr, key, g, x, out, dim, out.numel() * out.element_size())
+    if invariant:
+        return _vma.tag(out, tr, v & ~bits)
+    _vma.tag(out, tr, v | bits)
+    out._fshard_gathered = g.names  # the replication check suggests invariant=True for it
+    return out
 
 
 def _all_gather_tree(tree, axis, dim, tiled, invariant):

@@ -1,0 +1,198 @@
+"""Combining per-leaf collectives in eager, as XLA's collective combiner does when compiling.
+
+``optree.tree_map(lambda p: fs.all_gather(p, "dp", dim=0, tiled=True), params)`` issues one
+all_gather per leaf. Inside ``shard_map`` (where `VmaMode` sees every torch op) such a call does
+not communicate at once: it returns its result tensor, allocated but not yet filled, and queues
+the collective on the running `Trace`. Consecutive queued calls of the same kind, over the same
+axes, dtype and device (and grad mode) share the queue; the whole queue then runs as one
+coalesced collective (`AllGatherInto`, `AllReduceInto`), which fills the results in place and
+records one autograd node for all of them, so the backward is one coalesced reduce-scatter
+(all_gather) or no communication at all (psum).
+
+The queue is flushed, in issue order (the same on every rank, whatever order the results are
+later used in):
+
+- at the first torch op run inside ``f`` after the calls (`VmaMode` checks ``trace.queue``),
+- when a collective of another kind, axes, dtype, device or grad mode is issued, or any other
+  fshard collective is called (`_vma.current`),
+- when the queued results would exceed `cap_bytes` (``FSHARD_COMBINE_MB``, default 64 MB),
+- when ``f`` returns (the trace's exit).
+
+``FSHARD_COMBINE=0`` in the environment turns combining off (each call communicates at once,
+as before), for debugging. Calls are never combined under torch.func transforms, while
+``torch.compile`` traces, in a call with uneven blocks, or across dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _comm
+from ._comm import untracked
+from ._primitives import Pvary, ReduceScatterCoalesced, _untracked, apply, local_block
+
+__all__ = ["enabled", "cap_bytes", "Queue", "push", "hold", "release", "AllGatherInto", "AllReduceInto"]
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling
+
+
+def enabled() -> bool:
+    """Whether per-leaf collectives may be combined (``FSHARD_COMBINE=0`` turns it off)."""
+    return os.environ.get("FSHARD_COMBINE", "1") != "0"
+
+
+def cap_bytes() -> int:
+    """The most bytes of results one combined collective gathers (``FSHARD_COMBINE_MB``, default 64)."""
+    return int(float(os.environ.get("FSHARD_COMBINE_MB", "64")) * 2**20)
+
+
+def deferrable(tr) -> bool:
+    """Whether a collective issued now in trace ``tr`` may be queued."""
+    return (
+        tr is not None
+        and tr._mode is not None  # VmaMode sees the ops that use the results
+        and not tr.uneven
+        and not _functorch_active()
+        and not _compiling()
+        and enabled()
+    )
+
+
+class Queue:
+    """Collectives issued and not yet run, all of one key (kind, axes, dtype, ...), in issue order."""
+
+    __slots__ = ("tr", "key", "g", "items", "outs", "nbytes")
+
+    def __init__(self, tr, key, g):
+        self.tr = tr
+        self.key = key
+        self.g = g
+        self.items: list = []  # (operand, result, dim) per call
+        self.outs: set = set()  # ids of the results (an operand that is one flushes first)
+        self.nbytes = 0
+
+    def flush(self) -> None:
+        """Run the queued calls as one coalesced collective, filling their results."""
+        tr = self.tr
+        if tr.queue is self:
+            tr.queue = None
+        kind, _, tiled, invariant, _, _, grad = self.key
+        xs = [x for x, _, _ in self.items]
+        outs = [y for _, y, _ in self.items]
+        with torch.set_grad_enabled(grad):
+            if kind == "all_gather":
+                dims = tuple(d for _, _, d in self.items)
+                apply(AllGatherInto, self.g, dims, tiled, invariant, len(xs), *xs, *outs)
+            else:
+                apply(AllReduceInto, self.g, len(xs), *xs, *outs)
+        _comm.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
+
+
+def hold(tr):
+    """Detach ``tr``'s queue while a collective checks its arguments (fshard's own torch ops on
+    the operand must not flush it); give it back with `release`."""
+    q = tr.queue
+    tr.queue = None
+    return q
+
+
+def release(tr, q) -> None:
+    """Give back the queue `hold` took (unless it was flushed meanwhile)."""
+    if q is not None and tr.queue is None:
+        tr.queue = q
+
+
+def push(tr, key, g, x: torch.Tensor, out: torch.Tensor, dim: int, nbytes: int) -> None:
+    """Queue one call: ``out`` is filled from operand ``x`` when the queue is flushed."""
+    q = tr.queue
+    if q is not None and (q.key != key or id(x) in q.outs or q.nbytes + nbytes > cap_bytes()):
+        q.flush()
+        q = None
+    if q is None:
+        q = tr.queue = Queue(tr, key, g)
+    q.items.append((x, out, dim))
+    q.outs.add(id(out))
+    q.nbytes += nbytes
+
+
+def empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """A result to be filled by a flush (a leaf that needs no gradient until then)."""
+    with untracked():
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+# -- the coalesced Functions that fill results given in advance -------------------------------
+
+
+def _pack(xs) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+class AllGatherInto(torch.autograd.Function):
+    """all_gather of n tensors with one all-gather, written into n given results (marked dirty,
+    so each result gets this node as its history). The transpose is one coalesced reduce-scatter,
+    or each tensor's local slice for an ``invariant`` result, as for `AllGatherCoalesced`."""
+
+    @staticmethod
+    @_untracked
+    def forward(g, dims, tiled, invariant, n, *args):
+        xs, outs = args[:n], args[n:]
+        blocks = _comm.all_gather_blocks(_pack(xs), g)  # [N, total]; row i from index i
+        size = blocks.shape[0]
+        offset = 0
+        for x, d, out in zip(xs, dims, outs):
+            k = x.numel()
+            src = blocks[:, offset : offset + k].view(size, *x.shape)
+            offset += k
+            if tiled:
+                dst = out.view(*x.shape[:d], size, x.shape[d], *x.shape[d + 1 :]).movedim(d, 0)
+            else:
+                dst = out.movedim(d, 0)
+            dst.copy_(src)
+        return tuple(outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[:5]
+        ctx.mark_dirty(*inputs[5 + inputs[4] :])
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, *cts):
+        g, dims, tiled, invariant, n = ctx.args
+        if invariant:
+            grads = tuple(local_block(ct, g, d, tiled) for ct, d in zip(cts, dims))
+        else:
+            grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
+            _comm.record_combined("reduce_scatter", g, n)
+        return (None, None, None, None, None, *grads, *([None] * n))
+
+
+class AllReduceInto(torch.autograd.Function):
+    """psum of n tensors with one all-reduce, written into n given results (marked dirty); the
+    transpose is pvary of each (no communication)."""
+
+    @staticmethod
+    @_untracked
+    def forward(g, n, *args):
+        xs, outs = args[:n], args[n:]
+        buf = _pack(xs)
+        _comm.all_reduce_(buf, g)
+        for p, out in zip(buf.split([x.numel() for x in xs]), outs):
+            out.copy_(p.view(out.shape))
+        return tuple(outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g, n = inputs[0], inputs[1]
+        ctx.mark_dirty(*inputs[2 + n :])
+        ctx.n = n
+
+    @staticmethod
+    def backward(ctx, *cts):
+        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+            cts = tuple(apply(Pvary, ct, ctx.g) for ct in cts)
+        return (None, None, *cts, *([None] * ctx.n))
