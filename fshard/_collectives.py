@@ -332,10 +332,12 @@ def _psum_deferred(x, axis, tr):
         if not bits & v or bits & ~v:  # invariant over some of the axes: a product, run at once
             return None
         out = _combine.empty(x.shape, x)
+        g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
+        key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled())
+        nbytes = out.numel() * out.element_size()
     finally:
         _combine.release(tr, held)
-    key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled())
-    _combine.push(tr, key, g, x, out, 0, out.numel() * out.element_size())
+    _combine.push(tr, key, g, x, out, 0, nbytes)
     return _vma.tag(out, tr, v & ~bits)
 
 
@@ -514,10 +516,11 @@ def _all_gather_deferred(x, axis, dim, tiled, invariant, tr):
         else:
             shape.insert(dim, g.size)
         out = _combine.empty(shape, x)
+        key = ("all_gather", g.names, bool(tiled), bool(invariant), x.dtype, x.device, torch.is_grad_enabled())
+        nbytes = out.numel() * out.element_size()
     finally:
         _combine.release(tr, held)
-    key = ("all_gather", g.names, bool(tiled), bool(invariant), x.dtype, x.device, torch.is_grad_enabled())
-    _combine.push(tr, key, g, x, out, dim, out.numel() * out.element_size())
+    _combine.push(tr, key, g, x, out, dim, nbytes)
     if invariant:
         return _vma.tag(out, tr, v & ~bits)
     _vma.tag(out, tr, v | bits)
