@@ -516,7 +516,15 @@ def _all_gather_deferred(x, axis, dim, tiled, invariant, tr):
         else:
             shape.insert(dim, g.size)
         out = _combine.empty(shape, x)
-        key = ("all_gather", g.names, bool(tiled), bool(invariant), x.dtype, x.device, torch.is_grad_enabled())
+        key = (
+            "all_gather",
+            g.names,
+            bool(tiled),
+            bool(invariant),
+            x.dtype,
+            x.device,
+            torch.is_grad_enabled(),
+        )
         nbytes = out.numel() * out.element_size()
     finally:
         _combine.release(tr, held)

@@ -3,20 +3,20 @@
 ``optree.tree_map(lambda p: fs.all_gather(p, "dp", dim=0, tiled=True), params)`` issues one
 all_gather per leaf. Inside ``shard_map`` (where `VmaMode` sees every torch op) such a call does
 not communicate at once: it returns its result tensor, allocated but not yet filled, and queues
-the collective on the running `Trace`. Consecutive queued calls of the same kind, over the same
-axes, dtype and device (and grad mode) share the queue; the whole queue then runs as one
-coalesced collective (`AllGatherInto`, `AllReduceInto`), which fills the results in place and
-records one autograd node for all of them, so the backward is one coalesced reduce-scatter
-(all_gather) or no communication at all (psum).
+the collective on the running `Trace`, in a bucket per key: kind, axes, options, dtype, device
+and grad mode (dtypes are never packed together). Each bucket runs as one coalesced collective
+(`AllGatherInto`, `AllReduceInto`), which fills the results in place and records one autograd
+node for all of them, so the backward is one coalesced reduce-scatter (all_gather) or no
+communication at all (psum).
 
-The queue is flushed, in issue order (the same on every rank, whatever order the results are
-later used in):
+The queue is flushed, every bucket in the order of its key's first call (the same on every rank,
+whatever order the results are later used in):
 
 - at the first torch op run inside ``f`` after the calls (`VmaMode` checks ``trace.queue``),
-- when a collective of another kind, axes, dtype, device or grad mode is issued, or any other
-  fshard collective is called (`_vma.current`),
-- when the queued results would exceed `cap_bytes` (``FSHARD_COMBINE_MB``, default 64 MB),
-- when ``f`` returns (the trace's exit).
+- when any fshard collective that is not queued is called (`_vma.current`), or a queued one whose
+  operand is a queued result,
+- when ``f`` returns (the trace's exit),
+- when a bucket's results would exceed `cap_bytes` (``FSHARD_COMBINE_MB``, default 64 MB).
 
 ``FSHARD_COMBINE=0`` in the environment turns combining off (each call communicates at once,
 as before), for debugging. Calls are never combined under torch.func transforms, while
@@ -33,7 +33,17 @@ from . import _comm
 from ._comm import untracked
 from ._primitives import Pvary, ReduceScatterCoalesced, _untracked, apply, local_block
 
-__all__ = ["enabled", "cap_bytes", "Queue", "push", "hold", "release", "AllGatherInto", "AllReduceInto"]
+__all__ = [
+    "enabled",
+    "cap_bytes",
+    "Queue",
+    "Bucket",
+    "push",
+    "hold",
+    "release",
+    "AllGatherInto",
+    "AllReduceInto",
+]
 
 _functorch_active = torch._C._are_functorch_transforms_active
 _compiling = torch.compiler.is_compiling
@@ -61,24 +71,19 @@ def deferrable(tr) -> bool:
     )
 
 
-class Queue:
-    """Collectives issued and not yet run, all of one key (kind, axes, dtype, ...), in issue order."""
+class Bucket:
+    """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
 
-    __slots__ = ("tr", "key", "g", "items", "outs", "nbytes")
+    __slots__ = ("key", "g", "items", "nbytes")
 
-    def __init__(self, tr, key, g):
-        self.tr = tr
+    def __init__(self, key, g):
         self.key = key
         self.g = g
         self.items: list = []  # (operand, result, dim) per call
-        self.outs: set = set()  # ids of the results (an operand that is one flushes first)
         self.nbytes = 0
 
-    def flush(self) -> None:
-        """Run the queued calls as one coalesced collective, filling their results."""
-        tr = self.tr
-        if tr.queue is self:
-            tr.queue = None
+    def run(self) -> None:
+        """Run the bucket's calls as one coalesced collective, filling their results."""
         kind, _, tiled, invariant, _, _, grad = self.key
         xs = [x for x, _, _ in self.items]
         outs = [y for _, y, _ in self.items]
@@ -89,6 +94,25 @@ class Queue:
             else:
                 apply(AllReduceInto, self.g, len(xs), *xs, *outs)
         _comm.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
+
+
+class Queue:
+    """The collectives issued in one trace and not yet run: a bucket per key, in the order of each
+    key's first call (the same on every rank)."""
+
+    __slots__ = ("tr", "buckets", "outs")
+
+    def __init__(self, tr):
+        self.tr = tr
+        self.buckets: dict = {}
+        self.outs: set = set()  # ids of the results (an operand that is one flushes first)
+
+    def flush(self) -> None:
+        """Run every bucket, in order."""
+        if self.tr.queue is self:
+            self.tr.queue = None
+        for b in self.buckets.values():
+            b.run()
 
 
 def hold(tr):
@@ -108,14 +132,20 @@ def release(tr, q) -> None:
 def push(tr, key, g, x: torch.Tensor, out: torch.Tensor, dim: int, nbytes: int) -> None:
     """Queue one call: ``out`` is filled from operand ``x`` when the queue is flushed."""
     q = tr.queue
-    if q is not None and (q.key != key or id(x) in q.outs or q.nbytes + nbytes > cap_bytes()):
-        q.flush()
-        q = None
+    if q is not None:
+        b = q.buckets.get(key)
+        # the operand is a queued result, or this key's bucket is full: the queue runs first
+        if id(x) in q.outs or (b is not None and b.nbytes + nbytes > cap_bytes()):
+            q.flush()
+            q = None
     if q is None:
-        q = tr.queue = Queue(tr, key, g)
-    q.items.append((x, out, dim))
+        q = tr.queue = Queue(tr)
+    b = q.buckets.get(key)
+    if b is None:
+        b = q.buckets[key] = Bucket(key, g)
+    b.items.append((x, out, dim))
+    b.nbytes += nbytes
     q.outs.add(id(out))
-    q.nbytes += nbytes
 
 
 def empty(shape, like: torch.Tensor) -> torch.Tensor:

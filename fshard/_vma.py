@@ -51,7 +51,18 @@ class Trace:
     keep nothing alive after the call.
     """
 
-    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "bucket_mb", "uneven", "ragged", "queue")
+    __slots__ = (
+        "mesh",
+        "pvary_cache",
+        "where",
+        "id",
+        "_mode",
+        "twins",
+        "bucket_mb",
+        "uneven",
+        "ragged",
+        "queue",
+    )
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh

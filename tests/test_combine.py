@@ -37,7 +37,9 @@ N64 = 2  # float64 leaves
 
 def _params(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {k: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.5).to(dt) for k, (s, dt) in LEAVES.items()}
+    return {
+        k: (torch.randn(*s, generator=g, dtype=torch.float64) * 0.5).to(dt) for k, (s, dt) in LEAVES.items()
+    }
 
 
 def _model(w, x):
@@ -114,17 +116,37 @@ def _rank_forms(sizes: dict, X):
         counts[what] = (fwd, bwd)
     # what went on the wire, per form: (kind, axes) -> count, and the calls they carry
     axes = tuple(mesh.axis_names)
-    other = tuple(a for a in axes if a != "dp")  # the gathered leaves meet data varying over these
+    other = tuple(a for a in axes if a != "dp")
     n = len(LEAVES)
     dp, ar = ("all_gather", ("dp",)), ("all_reduce", axes)
     rs = ("reduce_scatter", ("dp",))
-    pvary = {("all_reduce", other): n} if other else {}  # one per leaf, in the backward
+    # the gathered leaves (and their sums, in parts) meet data varying over the other axes: the
+    # pvary's transpose, an all_reduce, for each of them in the backward
+    pvary = {("all_reduce", other): 2 * n} if other else {}
+    grads_in = {dp: n}  # the gradients of the global inputs, gathered from their blocks
     want = {  # forward, calls; backward, calls
-        # by dtype: 5 float32 leaves, then 2 float64 ones with the float64 loss after them
-        "leaf combine=1": ({dp: 2, ar: 2}, 2 * n + 1, {rs: 2, **pvary}, n + n * bool(other)),
-        "tree combine=1": ({dp: 2, ar: 3}, 5, {rs: 2, **pvary}, 2 + n * bool(other)),
-        "leaf combine=0": ({dp: n, ar: n + 1}, 2 * n + 1, {rs: n, **pvary}, n + n * bool(other)),
+        # a bucket per dtype (float32 and float64 leaves interleave in optree's sorted key order);
+        # the float64 loss joins the float64 parts
+        "leaf combine=1": (
+            {dp: 2, ar: 2},
+            2 * n + 1,
+            {rs: 2, **grads_in, **pvary},
+            2 * n + 2 * n * bool(other),
+        ),
+        "tree combine=1": ({dp: 2, ar: 3}, 5, {rs: 2, **grads_in, **pvary}, 2 + n + 2 * n * bool(other)),
+        "leaf combine=0": (
+            {dp: n, ar: n + 1},
+            2 * n + 1,
+            {rs: n, **grads_in, **pvary},
+            2 * n + 2 * n * bool(other),
+        ),
     }
+    for what, (fwd_kinds, fwd_calls, bwd_kinds, bwd_calls) in want.items():
+        fwd, bwd = counts[what]
+        if dict(fwd.by_kind()) != fwd_kinds or fwd.calls != fwd_calls:
+            errs.append(f"{what} forward: {fwd!r}, want {fwd_kinds} carrying {fwd_calls} calls")
+        if dict(bwd.by_kind()) != bwd_kinds or bwd.calls != bwd_calls:
+            errs.append(f"{what} backward: {bwd!r}, want {bwd_kinds} carrying {bwd_calls} calls")
     # the bytes on the wire are the same combined or not
     for fb in (0, 1):
         a, b = counts["leaf combine=1"][fb].bytes, counts["leaf combine=0"][fb].bytes
@@ -160,7 +182,9 @@ def _gathered(mesh, f, in_specs, out_specs, *args):
         return tuple(fs.psum(o, "dp") if s is V else o for o, s in zip(outs, specs))
 
     args = [a.clone().requires_grad_(True) for a in args]
-    step = fs.shard_map(g, mesh=mesh, in_specs=in_specs, out_specs=tuple("..." if s is V else s for s in specs))
+    step = fs.shard_map(
+        g, mesh=mesh, in_specs=in_specs, out_specs=tuple("..." if s is V else s for s in specs)
+    )
     with fs.count_collectives() as fwd:
         outs = step(*args)
     with fs.count_collectives() as bwd:
@@ -238,7 +262,7 @@ def _rank_cases(X):
     if _kinds(fwd) != {AG: 2}:
         errs.append(f"nested: forward {fwd!r}, want 2 all_gathers")
 
-    # dtypes are never mixed: consecutive calls of one dtype combine, a new dtype starts a bucket
+    # dtypes are never mixed: a bucket per dtype, run in the order of their first calls
     def dtypes(a, b, c):
         ys = [fs.all_gather(t, "dp", tiled=True) for t in (a, b.double(), c, b)]
         return tuple(ys)
@@ -247,8 +271,8 @@ def _rank_cases(X):
     for o, want in zip(outs, (A, B.double(), C, B)):
         close(errs, f"dtypes: value {o.dtype}", o, _summed(want))
     close(errs, "dtypes: grad b", grads[1], torch.full_like(B, 12.0))  # (2 + 4) x 2
-    if _kinds(fwd) != {AG: 3} or _buckets(fwd) != [1, 1, 2]:  # a | b.double() | c, b
-        errs.append(f"dtypes: forward {fwd!r} {fwd.combined}, want 3 all_gathers of 1, 1 and 2 calls")
+    if _kinds(fwd) != {AG: 2} or _buckets(fwd) != [3, 1]:  # a, c, b | b.double()
+        errs.append(f"dtypes: forward {fwd!r} {fwd.combined}, want 2 all_gathers of 3 and 1 calls")
 
     # invariant=True: combined, gradient the local slice (no communication in the backward)
     def invariant(a, b):
@@ -258,7 +282,9 @@ def _rank_cases(X):
     close(errs, "invariant: value", outs[1], B)
     close(errs, "invariant: grad", grads[1], torch.full_like(B, 2.0))
     if _kinds(fwd) != {AG: 1} or _kinds(bwd, "reduce_scatter"):
-        errs.append(f"invariant: forward {fwd!r}, backward {bwd!r}; want 1 all_gather, then no reduce_scatter")
+        errs.append(
+            f"invariant: forward {fwd!r}, backward {bwd!r}; want 1 all_gather, then no reduce_scatter"
+        )
 
     # a size cap: results of 48 bytes each, at most 96 bytes a bucket -> 2 calls a bucket
     def capped(a, b, c):
