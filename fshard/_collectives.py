@@ -307,7 +307,7 @@ def psum(x: _T, axis) -> _T:
         return _psum_tree(x, axis, "psum")
     tr = _vma.active()
     if _combine.deferrable(tr):
-        y = _psum_deferred(x, axis, tr)
+        y = _combine.psum_later(x, axis, tr)
         if y is not None:
             return y
     tr, g, bits, v = _prologue(x, axis, "psum")
@@ -319,26 +319,6 @@ def psum(x: _T, axis) -> _T:
     if inv:
         y = _mul_untracked(y, math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)))
     return _vma.tag(y, tr, v & ~bits) if y is not x else y
-
-
-def _psum_deferred(x, axis, tr):
-    """``psum`` of a varying tensor queued to run combined with the next ones (`_combine`), or
-    None when it cannot be (the caller then runs it at once)."""
-    g = tr.mesh.axis_group(axis, "psum")
-    bits = tr.mesh.bits(g.names)
-    held = _combine.hold(tr)  # fshard's own torch ops on x below must not flush the queue
-    try:
-        v = _vma.get(x, tr)
-        if not bits & v or bits & ~v:  # invariant over some of the axes: a product, run at once
-            return None
-        out = _combine.empty(x.shape, x)
-        g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
-        key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled())
-        nbytes = out.numel() * out.element_size()
-    finally:
-        _combine.release(tr, held)
-    _combine.push(tr, key, g, x, out, 0, nbytes)
-    return _vma.tag(out, tr, v & ~bits)
 
 
 def _psum_tree(tree, axis, where: str):
@@ -466,7 +446,7 @@ def all_gather(
         return _ready(all_gather(x, axis, dim, tiled))
     tr = _vma.active()
     if not async_op and _combine.deferrable(tr):
-        y = _all_gather_deferred(x, axis, dim, tiled, invariant, tr)
+        y = _combine.all_gather_later(x, axis, dim, tiled, invariant, tr, _norm_dim)
         if y is not None:
             return y
     tr, g, bits, v = _prologue(x, axis, "all_gather")
@@ -494,46 +474,6 @@ def all_gather(
     y = _vma.tag(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
     y._fshard_gathered = g.names  # the replication check suggests invariant=True for it
     return y
-
-
-def _all_gather_deferred(x, axis, dim, tiled, invariant, tr):
-    """``all_gather`` of one tensor queued to run combined with the next ones (`_combine`), or
-    None when it cannot be (the caller then runs it at once)."""
-    if not isinstance(x, torch.Tensor):
-        return None  # the prologue's error
-    g = tr.mesh.axis_group(axis, "all_gather")
-    if g.size == 1:
-        return None
-    held = _combine.hold(tr)  # the checks below run torch ops on x, which must not flush it
-    try:
-        bits = tr.mesh.bits(g.names)
-        v = _vma.get(x, tr)
-        shape = list(x.shape)
-        dim = _norm_dim(dim, len(shape) if tiled else len(shape) + 1, "all_gather")
-        x = _vary(x, tr, v, bits)
-        if tiled:
-            shape[dim] *= g.size
-        else:
-            shape.insert(dim, g.size)
-        out = _combine.empty(shape, x)
-        key = (
-            "all_gather",
-            g.names,
-            bool(tiled),
-            bool(invariant),
-            x.dtype,
-            x.device,
-            torch.is_grad_enabled(),
-        )
-        nbytes = out.numel() * out.element_size()
-    finally:
-        _combine.release(tr, held)
-    _combine.push(tr, key, g, x, out, dim, nbytes)
-    if invariant:
-        return _vma.tag(out, tr, v & ~bits)
-    _vma.tag(out, tr, v | bits)
-    out._fshard_gathered = g.names  # the replication check suggests invariant=True for it
-    return out
 
 
 def _all_gather_tree(tree, axis, dim, tiled, invariant):

@@ -20,7 +20,8 @@ whatever order the results are later used in):
 
 ``FSHARD_COMBINE=0`` in the environment turns combining off (each call communicates at once,
 as before), for debugging. Calls are never combined under torch.func transforms, while
-``torch.compile`` traces, in a call with uneven blocks, or across dtypes.
+``torch.compile`` traces, under ``fs.debug`` (which checks each call against the other ranks'),
+in a call with uneven blocks, or across dtypes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import os
 
 import torch
 
-from . import _comm
+from . import _comm, _vma
+from . import _watchdog as _watch
 from ._comm import untracked
 from ._primitives import Pvary, ReduceScatterCoalesced, _untracked, apply, local_block
 
@@ -68,31 +70,97 @@ def deferrable(tr) -> bool:
         and not _functorch_active()
         and not _compiling()
         and enabled()
+        and not _watch.S.check  # fs.debug checks each call as made, against the other ranks'
     )
+
+
+def psum_later(x, axis, tr):
+    """``fs.psum`` of a tensor varying over all of ``axis``, queued: its result (filled when the
+    queue runs), or None when it cannot be queued (the caller then runs it at once)."""
+    g = tr.mesh.axis_group(axis, "psum")
+    bits = tr.mesh.bits(g.names)
+    held = hold(tr)  # fshard's own torch ops on x below must not flush the queue
+    try:
+        v = _vma.get(x, tr)
+        if not bits & v or bits & ~v:  # invariant over some of the axes: a product, run at once
+            return None
+        out = empty(x.shape, x)
+        g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
+        key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled())
+        nbytes = out.numel() * out.element_size()
+    finally:
+        release(tr, held)
+    push(tr, key, g, x, out, 0, nbytes)
+    return _vma.tag(out, tr, v & ~bits)
+
+
+def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
+    """``fs.all_gather`` of one tensor, queued: its result (filled when the queue runs), or None
+    when it cannot be queued. ``norm_dim`` is the collectives' check of ``dim`` (same errors)."""
+    if not isinstance(x, torch.Tensor):
+        return None  # the caller's error
+    g = tr.mesh.axis_group(axis, "all_gather")
+    if g.size == 1:
+        return None
+    held = hold(tr)  # the checks below run torch ops on x, which must not flush the queue
+    try:
+        bits = tr.mesh.bits(g.names)
+        v = _vma.get(x, tr)
+        shape = list(x.shape)
+        dim = norm_dim(dim, len(shape) if tiled else len(shape) + 1, "all_gather")
+        x = _vma.pvary(x, tr, v, v | bits)
+        if tiled:
+            shape[dim] *= g.size
+        else:
+            shape.insert(dim, g.size)
+        out = empty(shape, x)
+        key = (
+            "all_gather",
+            g.names,
+            bool(tiled),
+            bool(invariant),
+            x.dtype,
+            x.device,
+            torch.is_grad_enabled(),
+        )
+        nbytes = out.numel() * out.element_size()
+    finally:
+        release(tr, held)
+    push(tr, key, g, x, out, dim, nbytes)
+    if invariant:
+        return _vma.tag(out, tr, v & ~bits)
+    _vma.tag(out, tr, v | bits)
+    out._fshard_gathered = g.names  # the replication check suggests invariant=True for it
+    return out
 
 
 class Bucket:
     """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
 
-    __slots__ = ("key", "g", "items", "nbytes")
+    __slots__ = ("key", "g", "items", "nbytes", "site")
 
-    def __init__(self, key, g):
+    def __init__(self, key, g, site):
         self.key = key
         self.g = g
         self.items: list = []  # (operand, result, dim) per call
         self.nbytes = 0
+        self.site = site  # the first call's site: what the watchdog's records and reports name
 
     def run(self) -> None:
         """Run the bucket's calls as one coalesced collective, filling their results."""
         kind, _, tiled, invariant, _, _, grad = self.key
         xs = [x for x, _, _ in self.items]
         outs = [y for _, y, _ in self.items]
-        with torch.set_grad_enabled(grad):
-            if kind == "all_gather":
-                dims = tuple(d for _, _, d in self.items)
-                apply(AllGatherInto, self.g, dims, tiled, invariant, len(xs), *xs, *outs)
-            else:
-                apply(AllReduceInto, self.g, len(xs), *xs, *outs)
+        _watch.S.site = self.site
+        try:
+            with torch.set_grad_enabled(grad):
+                if kind == "all_gather":
+                    dims = tuple(d for _, _, d in self.items)
+                    apply(AllGatherInto, self.g, dims, tiled, invariant, len(xs), *xs, *outs)
+                else:
+                    apply(AllReduceInto, self.g, len(xs), *xs, *outs)
+        finally:
+            _watch.S.site = None
         _comm.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
 
 
@@ -142,7 +210,7 @@ def push(tr, key, g, x: torch.Tensor, out: torch.Tensor, dim: int, nbytes: int) 
         q = tr.queue = Queue(tr)
     b = q.buckets.get(key)
     if b is None:
-        b = q.buckets[key] = Bucket(key, g)
+        b = q.buckets[key] = Bucket(key, g, _watch._site())
     b.items.append((x, out, dim))
     b.nbytes += nbytes
     q.outs.add(id(out))
