@@ -43,6 +43,17 @@ class CollectiveCounts:
     ``ppermute`` is point-to-point: a rank records the bytes it sends (0 if it only receives),
     and a rank that no pair involves issues nothing and records nothing. ``gather`` and
     ``reduce`` (results on one rank) are recorded only by the ranks that take part.
+
+    Per-leaf ``fs.all_gather`` and ``fs.psum`` calls issued before their results are used run
+    combined, as one collective (see the debugging page): ``records`` has what went on the wire,
+    ``combined`` one ``(kind, axes, calls)`` record per combined collective, and ``calls`` the
+    number of user calls in all.
+
+    Examples:
+        >>> with fs.count_collectives() as counts:
+        ...     loss = step(params, batch)
+        >>> counts.total, counts.calls   # 2 collectives on the wire for 7 calls
+        (2, 7)
     """
 
     records: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
