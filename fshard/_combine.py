@@ -38,6 +38,10 @@ from ._primitives import Pvary, ReduceScatterCoalesced, _untracked, apply, local
 __all__ = [
     "enabled",
     "cap_bytes",
+    "deferrable",
+    "psum_later",
+    "all_gather_later",
+    "empty",
     "Queue",
     "Bucket",
     "push",
