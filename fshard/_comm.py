@@ -186,7 +186,8 @@ def _wait(t: torch.Tensor, rec: tuple | None) -> torch.Tensor:
 
 def _name(g: AxisGroup) -> str:
     """The name of the group's ProcessGroup, by which the functional ops find it."""
-    return g.group.group_name  # type: ignore[attr-defined]
+    name = g.pg_name  # a plain string: torch.compile reads it as a constant
+    return name if name is not None else g.group.group_name  # type: ignore[attr-defined]
 
 
 def _to_blocks_order(t: torch.Tensor, g: AxisGroup, inverse: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import _compile
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
@@ -38,8 +39,8 @@ from ._scalars import (
 
 _Tensor = torch.Tensor
 
-
-_ids = itertools.count(1)
+_compiling = _compile.compiling
+_PVARY = "_fshard_pvary"  # under torch.compile: (trace id, {axes: cast}) on the cast tensor
 
 
 class Trace:
@@ -57,7 +58,7 @@ class Trace:
         self.mesh = mesh
         self.where = where
         self.pvary_cache: dict = {}
-        self.id = next(_ids)
+        self.id = _compile.next_id()
         self._mode: VmaMode | None = None
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
@@ -189,10 +190,18 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     missing = want & ~have
     if not missing or not (x.requires_grad and torch.is_grad_enabled()):
         return x
-    key = (id(x), x._version, missing)
-    hit = tr.pvary_cache.get(key)
-    if hit is not None:
-        return hit[1]
+    if _compiling():  # Dynamo can neither hash tensors nor read _version: the cache lives on x
+        held = getattr(x, _PVARY, None)
+        if held is None or held[0] != tr.id:
+            held = (tr.id, {})
+            setattr(x, _PVARY, held)
+        elif missing in held[1]:
+            return held[1][missing]
+    else:
+        key = (id(x), x._version, missing)
+        hit = tr.pvary_cache.get(key)
+        if hit is not None:
+            return hit[1]
     g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
     twin = tr.twins.get(id(x)) if tr.twins else None
     if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
@@ -203,7 +212,10 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     else:
         out = apply(Pvary, x, g)
     tag(out, tr, have | missing)
-    tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
+    if _compiling():
+        held[1][missing] = out
+    else:
+        tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
     return out
 
 
@@ -257,7 +269,9 @@ class VmaMode(TorchFunctionMode):
         tid = tr.id
         kind = _KIND.get(func)
         if kind is None:
-            kind = _KIND[func] = _classify(func)
+            kind = _classify(func)
+            if not _compiling():  # (compiled: a constant of the trace; Dynamo cannot store it)
+                _KIND[func] = kind
         if kind is not _PLAIN and kind is not _INPLACE:
             return kind(func, tr, args, kwargs or {})
         # Union of the operands' masks, noting whether they differ (hot path: keep it flat).
@@ -330,6 +344,8 @@ class VmaMode(TorchFunctionMode):
                 setattr(args[0], _ATTR, (tid, union))
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
+        if kind is _INPLACE and _compiling() and args and isinstance(args[0], _Tensor):
+            setattr(args[0], _PVARY, None)  # its casts hold the old value (eager: keyed by _version)
         return out
 
 
@@ -471,6 +487,7 @@ _INPLACE_DUNDERS = frozenset(
 )
 
 
+@torch._dynamo.assume_constant_result  # under torch.compile: decided at trace time, as a constant
 def _classify(func):
     """How ``VmaMode`` treats ``func``: a handler, or the plain or in-place rule (cached per func)."""
     special = {
