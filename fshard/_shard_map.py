@@ -248,7 +248,7 @@ class _ShardMapped:
         elif len(self._in_plans) > 8:  # keep the LRU order once there are several plans
             self._in_plans.move_to_end(key)
         plans, global_idx, masks, label_sizes, uneven = hit
-        if not self._out_specs_checked:
+        if compiling or not self._out_specs_checked:  # (compiled: no flag for Dynamo to guard on)
             self._precheck_out_specs()
         mesh = self.mesh
         if _debug.enabled:
@@ -400,7 +400,8 @@ class _ShardMapped:
             problems += [f"{path} {str(spec)!r}: {p}" for p in probs]
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems))
-        self._out_specs_checked = True
+        if not _compile.compiling():
+            self._out_specs_checked = True
 
     def _plan_outputs(self, out, leaves, treedef):
         mesh = self.mesh

@@ -40,7 +40,6 @@ from ._scalars import (
 _Tensor = torch.Tensor
 
 _compiling = _compile.compiling
-_PVARY = "_fshard_pvary"  # under torch.compile: (trace id, {axes: cast}) on the cast tensor
 
 
 class Trace:
@@ -190,18 +189,11 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     missing = want & ~have
     if not missing or not (x.requires_grad and torch.is_grad_enabled()):
         return x
-    if _compiling():  # Dynamo can neither hash tensors nor read _version: the cache lives on x
-        held = getattr(x, _PVARY, None)
-        if held is None or held[0] != tr.id:
-            held = (tr.id, {})
-            setattr(x, _PVARY, held)
-        elif missing in held[1]:
-            return held[1][missing]
-    else:
-        key = (id(x), x._version, missing)
-        hit = tr.pvary_cache.get(key)
-        if hit is not None:
-            return hit[1]
+    # (compiled: Dynamo cannot read _version; the in-place rule drops a changed tensor's casts)
+    key = (id(x), missing) if _compiling() else (id(x), x._version, missing)
+    hit = tr.pvary_cache.get(key)
+    if hit is not None:
+        return hit[1]
     g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
     twin = tr.twins.get(id(x)) if tr.twins else None
     if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
@@ -212,11 +204,15 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     else:
         out = apply(Pvary, x, g)
     tag(out, tr, have | missing)
-    if _compiling():
-        held[1][missing] = out
-    else:
-        tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
+    tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
     return out
+
+
+def _drop_casts(tr: Trace, x) -> None:
+    """Forget the pvary casts of ``x``, just changed in place (compiled calls)."""
+    i = id(x)
+    for key in [k for k in tr.pvary_cache if k[0] == i]:
+        del tr.pvary_cache[key]
 
 
 def _cast_args(seq, tr: Trace, union: int):
@@ -267,11 +263,12 @@ class VmaMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
         tid = tr.id
-        kind = _KIND.get(func)
-        if kind is None:
+        if _compiling():  # a constant of the trace (Dynamo would guard on the cache's keys)
             kind = _classify(func)
-            if not _compiling():  # (compiled: a constant of the trace; Dynamo cannot store it)
-                _KIND[func] = kind
+        else:
+            kind = _KIND.get(func)
+            if kind is None:
+                kind = _KIND[func] = _classify(func)
         if kind is not _PLAIN and kind is not _INPLACE:
             return kind(func, tr, args, kwargs or {})
         # Union of the operands' masks, noting whether they differ (hot path: keep it flat).
@@ -344,8 +341,8 @@ class VmaMode(TorchFunctionMode):
                 setattr(args[0], _ATTR, (tid, union))
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
-        if kind is _INPLACE and _compiling() and args and isinstance(args[0], _Tensor):
-            setattr(args[0], _PVARY, None)  # its casts hold the old value (eager: keyed by _version)
+        if kind is _INPLACE and _compiling() and tr.pvary_cache and args and isinstance(args[0], _Tensor):
+            _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
         return out
 
 
