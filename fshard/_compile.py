@@ -26,7 +26,7 @@ import torch
 
 from ._errors import TracingError
 
-__all__ = ["compiling", "refuse", "hide_jvp", "next_id", "allow_cached"]
+__all__ = ["compiling", "refuse", "fail", "hide_jvp", "next_id", "allow_cached"]
 
 compiling = torch.compiler.is_compiling
 """Whether Dynamo is tracing the running code (a constant True in traced code, False in eager)."""
@@ -76,10 +76,24 @@ def allow_cached(*fns) -> None:
 def refuse(construct: str, fix: str) -> None:
     """Raise a TracingError naming ``construct`` when torch.compile is tracing it."""
     if compiling():
-        raise TracingError(
+        fail(
+            TracingError,
             f"{construct} is not supported inside torch.compile yet (fshard refuses rather than "
-            f"compiling something that would mean another thing than the eager call); {fix}"
+            f"compiling something that would mean another thing than the eager call); {fix}",
         )
+
+
+def fail(kind: type, message: str):
+    """Raise ``kind(message)``; while compiling, from trace time as itself (an exception raised in
+    traced code would reach the user as Dynamo's ``Unsupported: Observed exception``)."""
+    if compiling():
+        _raise_at_trace_time(kind, message)
+    raise kind(message)
+
+
+@torch._dynamo.assume_constant_result  # run (and raising) at trace time, not traced
+def _raise_at_trace_time(kind: type, message: str):
+    raise kind(message)
 
 
 def _no_functorch_wrappers() -> None:

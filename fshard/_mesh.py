@@ -326,21 +326,18 @@ class Mesh:
     def axis_group(self, axis, where: str = "collective") -> AxisGroup:
         """The cached `AxisGroup` for an axis or tuple of axes."""
         key = axis if type(axis) is tuple else tuple(axis) if type(axis) is list else (axis,)
-        got = self._groups.get(key)
+        got = None if torch.compiler.is_compiling() else self._groups.get(key)
         if got is not None:
             return got
         return self._new_axis_group(key, axis, where)
 
-    @torch._dynamo.assume_constant_result  # under torch.compile: a real group made at trace time
+    @torch._dynamo.assume_constant_result  # under torch.compile: run at trace time, a constant
     def _new_axis_group(self, key: tuple, axis, where: str) -> AxisGroup:
-        names = self.check_axes(axis, where)
-        got = self._make_group(names)
-        if torch.compiler.is_compiling():
-            # made at trace time with its process group, so traced code only reads it; not kept
-            # (Dynamo guards on the cache it read; the process groups themselves are cached)
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = self._make_group(self.check_axes(axis, where))
+        if torch.compiler.is_compiling():  # its process group too: traced code only reads it
             got.group  # noqa: B018
-        else:
-            self._groups[key] = got
         return got
 
     def _make_group(self, names: tuple[str, ...]) -> AxisGroup:

@@ -502,7 +502,7 @@ class _ShardMapped:
                     f"seed=step) for dropout, or pass generator=fs.random.generator(seed, like=x) to "
                     f"torch.rand, torch.randn, torch.bernoulli, Tensor.normal_ and the rest"
                 )
-            raise SpecError(msg)
+            _compile.fail(SpecError, msg)
 
 
 # == eager evaluation =====================================================================
