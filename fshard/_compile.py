@@ -26,10 +26,11 @@ import torch
 
 from ._errors import TracingError
 
-__all__ = ["compiling", "refuse", "fail", "hide_jvp", "next_id", "allow_cached"]
+__all__ = ["compiling", "refuse", "check_call", "fail", "hide_jvp", "next_id", "allow_cached"]
 
 compiling = torch.compiler.is_compiling
 """Whether Dynamo is tracing the running code (a constant True in traced code, False in eager)."""
+
 
 class _JvpRule:
     """An autograd Function's ``jvp`` that Dynamo does not see: while torch.compile compiles, the
@@ -52,7 +53,7 @@ def hide_jvp(classes) -> None:
         if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
             rule = cls.__dict__.get("jvp")
             if isinstance(rule, staticmethod):
-                cls.jvp = _JvpRule(rule.__func__)
+                setattr(cls, "jvp", _JvpRule(rule.__func__))  # noqa: B010
 
 
 _ids = itertools.count(1)
@@ -83,6 +84,22 @@ def refuse(construct: str, fix: str) -> None:
         )
 
 
+def check_call(name: str, compute_dtype, no_sync: bool, debug: bool) -> None:
+    """While compiling, refuse the shard_map options a compiled call does not support yet."""
+    if compute_dtype is not None:
+        refuse(
+            f"fs.shard_map({name}, compute_dtype=...)",
+            "cast the parameters inside f (w.to(dtype)) instead, or call it eagerly",
+        )
+    if no_sync:
+        refuse(
+            f"fs.shard_map({name}) under fs.no_sync (or with gradients fs.no_sync left pending)",
+            "compile the step outside fs.no_sync and call the micro-batch steps eagerly",
+        )
+    if debug:
+        refuse(f"fs.shard_map({name}) under fs.debug", "turn fs.debug off, or call it eagerly")
+
+
 def fail(kind: type, message: str):
     """Raise ``kind(message)``; while compiling, from trace time as itself (an exception raised in
     traced code would reach the user as Dynamo's ``Unsupported: Observed exception``)."""
@@ -101,7 +118,7 @@ def _no_functorch_wrappers() -> None:
     try:
 
         @torch._dynamo.substitute_in_graph(wrapped, skip_signature_check=True)
-        def _is_wrapped(t) -> bool:  # traced tensors are never functorch wrappers
+        def _is_wrapped(tensor: torch.Tensor) -> bool:  # traced tensors are never functorch wrappers
             return False
 
     except (ValueError, TypeError):  # already given a polyfill (by torch, or a reload)

@@ -214,7 +214,8 @@ class _ShardMapped:
         leaves, treedef = optree.tree_flatten(args)
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
-            _refuse_in_compile(self)
+            no_sync = not _buckets._sync or bool(_buckets._PENDING)
+            _compile.check_call(self.name, self._compute_dtype, no_sync, _debug.enabled)
             key = None
             hit = None
         else:
@@ -283,7 +284,10 @@ class _ShardMapped:
         okey = (
             None
             if compiling
-            else (out_treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves])
+            else (
+                out_treedef,
+                *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves],
+            )
         )
         if _debug.enabled:
             _stages.debug_check_outputs(self.name, mesh, out, out_leaves, okey)  # + PerRank outputs
@@ -506,22 +510,6 @@ class _ShardMapped:
 
 
 # == eager evaluation =====================================================================
-
-
-def _refuse_in_compile(sm: _ShardMapped) -> None:
-    """What a compiled call does not support yet: a TracingError at trace time naming it."""
-    if sm._compute_dtype is not None:
-        _compile.refuse(
-            f"fs.shard_map({sm.name}, compute_dtype=...)",
-            "cast the parameters inside f (w.to(dtype)) instead, or call it eagerly",
-        )
-    if not _buckets._sync or _buckets._PENDING:
-        _compile.refuse(
-            f"fs.shard_map({sm.name}) under fs.no_sync (or with gradients fs.no_sync left pending)",
-            "compile the step outside fs.no_sync and call the micro-batch steps eagerly",
-        )
-    if _debug.enabled:
-        _compile.refuse(f"fs.shard_map({sm.name}) under fs.debug", "turn fs.debug off, or call it eagerly")
 
 
 _compile.allow_cached(bind, _spec._parse_cached)  # pure: Dynamo traces them without their cache

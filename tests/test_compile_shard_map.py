@@ -136,7 +136,9 @@ def _compile_cases():
     def grads_of():  # accumulated over the eager call and the compiled calls
         return w1.grad / (CALLS + 1), w2.grad / (CALLS + 1)
 
-    _compiled_case(errs, out, "dp backward", step, (w1, w2, x, y), want_loss, want_grads, eager_step, grads_of)
+    _compiled_case(
+        errs, out, "dp backward", step, (w1, w2, x, y), want_loss, want_grads, eager_step, grads_of
+    )
     w1.grad = w2.grad = None
 
     # 4. tensor parallel: column- then row-parallel weights, a psum over tp
@@ -150,7 +152,9 @@ def _compile_cases():
     # 5. FSDP: a parameter sharded over dp, gathered in f (its gradient reduce-scattered back)
     (u,) = _params((4, 6), seed=40)
     xf, yf = randn(41, 8, 4), randn(42, 8, 6)
-    fsdp_loss = fs.shard_map(_fsdp_body, mesh=dp, in_specs=("(dp d) h", "(dp b) d", "(dp b) h"), out_specs="...")
+    fsdp_loss = fs.shard_map(
+        _fsdp_body, mesh=dp, in_specs=("(dp d) h", "(dp b) d", "(dp b) h"), out_specs="..."
+    )
     want_loss, want_grads = _reference(lambda w, x, y: mse(x @ w, y), [u], xf, yf)
     vg = fs.value_and_grad(fsdp_loss)
     _compiled_case(
@@ -258,5 +262,7 @@ def test_compiled_shard_map_raises_eagers_errors_and_refuses_what_it_does_not_su
         )
         assert _fshard_part(out["no_sync"]) == (
             "TracingError: fs.shard_map(_dp_body) under fs.no_sync (or with gradients fs.no_sync left "
-            "pending)" + REFUSED + "compile the step outside fs.no_sync and call the micro-batch steps eagerly"
+            "pending)"
+            + REFUSED
+            + "compile the step outside fs.no_sync and call the micro-batch steps eagerly"
         )
