@@ -240,7 +240,8 @@ def _tag_check(tags: torch.Tensor | None, rec: tuple | None, g: AxisGroup) -> No
 
 def _name(g: AxisGroup) -> str:
     """The name of the group's ProcessGroup, by which the functional ops find it."""
-    return g.group.group_name  # type: ignore[attr-defined]
+    name = g.pg_name  # a plain string: torch.compile reads it as a constant
+    return name if name is not None else g.group.group_name  # type: ignore[attr-defined]
 
 
 def _to_blocks_order(t: torch.Tensor, g: AxisGroup, inverse: bool) -> torch.Tensor:

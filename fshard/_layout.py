@@ -17,6 +17,22 @@ from ._spec import ANONYMOUS, Dim, Spec, parse_spec
 __all__ = ["Layout", "bind", "bind_or_raise", "chunk_sizes"]
 
 
+class _cached:
+    """``functools.cached_property`` without its lock (Python 3.11's), which torch.compile cannot
+    trace: the value lands in the instance's ``__dict__``, where later lookups find it first."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
+
+
 @dataclass(frozen=True)
 class Layout:
     """How a global tensor is laid out over a mesh: the bound form of a spec.
@@ -38,7 +54,7 @@ class Layout:
     labels: tuple[str | None, ...]
     partial: tuple[str, ...] = ()
 
-    @functools.cached_property
+    @_cached
     def split_axes(self) -> tuple[str, ...]:
         """Every mesh axis that splits some dim, in dim order."""
         return tuple(a for d in self.dims for a in d)
@@ -61,7 +77,7 @@ class Layout:
 
     # -- partial sums: what an output needs on the way out -----------------------------------
 
-    @functools.cached_property
+    @_cached
     def scatter_dims(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """``(dim, axes)`` for each dim split over summed axes: a reduce-scatter over ``axes``."""
         partial = set(self.partial)
@@ -72,7 +88,7 @@ class Layout:
                 out.append((d, summed))
         return tuple(out)
 
-    @functools.cached_property
+    @_cached
     def reduce_axes(self) -> tuple[str, ...]:
         """Summed axes that split no dim: an all-reduce over them."""
         return tuple(a for a in self.partial if a not in self.split_axes)
@@ -91,7 +107,7 @@ class Layout:
     def is_even(self, shape, mesh_shape: dict) -> bool:
         """Whether every split dim of a global ``shape`` divides into equal blocks."""
         return all(
-            not axes or size % math.prod(mesh_shape[a] for a in axes) == 0
+            not axes or size % math.prod([mesh_shape[a] for a in axes]) == 0
             for size, axes in zip(shape, self.dims)
         )
 
@@ -104,7 +120,7 @@ class Layout:
 
     def global_shape(self, shape, mesh_shape: dict) -> tuple[int, ...]:
         """The global shape whose blocks all have ``shape`` (an even split)."""
-        return tuple(s * math.prod(mesh_shape[a] for a in d) for s, d in zip(shape, self.dims))
+        return tuple(s * math.prod([mesh_shape[a] for a in d]) for s, d in zip(shape, self.dims))
 
     def block_index(self, dim: int, mesh_shape: dict, coord: dict) -> int:
         """Index of the block of ``dim`` held at mesh coordinate ``coord`` (first axis major)."""

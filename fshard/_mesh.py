@@ -35,7 +35,7 @@ class AxisGroup:
     up (or, for a combination of axes not made with the mesh, created) on first access.
     """
 
-    __slots__ = ("names", "size", "index", "order", "global_ranks", "_group", "_make")
+    __slots__ = ("names", "size", "index", "order", "global_ranks", "_group", "_make", "pg_name")
 
     def __init__(
         self,
@@ -53,12 +53,14 @@ class AxisGroup:
         self.global_ranks = global_ranks  # global rank of each index along the axes
         self._group: object | None = None
         self._make = make
+        self.pg_name: str | None = None  # the ProcessGroup's name, once made (read by traced code)
 
     @property
     def group(self) -> object | None:
         """The ProcessGroup; None when ``size == 1`` or the world is local."""
         if self._make is not None:
             self._group, self._make = self._make(), None
+            self.pg_name = getattr(self._group, "group_name", None)
         return self._group
 
     def __repr__(self) -> str:
@@ -357,12 +359,18 @@ class Mesh:
     def axis_group(self, axis, where: str = "collective") -> AxisGroup:
         """The cached `AxisGroup` for an axis or tuple of axes."""
         key = axis if type(axis) is tuple else tuple(axis) if type(axis) is list else (axis,)
-        got = self._groups.get(key)
+        got = None if torch.compiler.is_compiling() else self._groups.get(key)
         if got is not None:
             return got
-        names = self.check_axes(axis, where)
-        got = self._make_group(names)
-        self._groups[key] = got
+        return self._new_axis_group(key, axis, where)
+
+    @torch._dynamo.assume_constant_result  # under torch.compile: run at trace time, a constant
+    def _new_axis_group(self, key: tuple, axis, where: str) -> AxisGroup:
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = self._make_group(self.check_axes(axis, where))
+        if torch.compiler.is_compiling():  # its process group too: traced code only reads it
+            got.group  # noqa: B018
         return got
 
     def _make_group(self, names: tuple[str, ...]) -> AxisGroup:

@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from . import _comm
+from . import _comm, _compile
 from ._comm import untracked
 from ._mesh import AxisGroup
 
@@ -753,3 +753,6 @@ class ReduceScatterDone(torch.autograd.Function):
     @_untracked
     def jvp(ctx, x_t, *_):
         return apply(ReduceScatter, x_t, *ctx.args)
+
+
+_compile.hide_jvp(list(globals().values()))  # torch.compile traces Functions without a jvp

@@ -16,7 +16,7 @@ import math
 import optree
 import torch
 
-from . import _buckets, _debug, _stages, _vma
+from . import _buckets, _compile, _debug, _spec, _stages, _vma
 from ._buckets import DEFAULT_BUCKET_MB
 from ._comm import untracked
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
@@ -212,8 +212,15 @@ class _ShardMapped:
                 f"local tensors, using collectives for communication"
             )
         leaves, treedef = optree.tree_flatten(args)
-        key = (treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in leaves])
-        hit = self._in_plans.get(key)
+        compiling = _compile.compiling()
+        if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
+            no_sync = not _buckets._sync or bool(_buckets._PENDING)
+            _compile.check_call(self.name, self._compute_dtype, no_sync, _debug.enabled)
+            key = None
+            hit = None
+        else:
+            key = (treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in leaves])
+            hit = self._in_plans.get(key)
         if hit is None:
             if any(_is_dtensor(x) for x in leaves):  # DTensor in: as fs.from_dtensor
                 leaves = [from_dtensor(x) if _is_dtensor(x) else x for x in leaves]
@@ -231,17 +238,25 @@ class _ShardMapped:
                 sizes,  # the global size of each dim label
                 uneven,  # some input has uneven blocks
             )
-            _remember(self._in_plans, key, hit)
+            if compiling:
+                if uneven:
+                    _compile.refuse(
+                        f"fs.shard_map({self.name}) with uneven blocks (a dim not divisible by its mesh axes)",
+                        "pad the inputs to a multiple of the mesh axes' sizes, or call it eagerly",
+                    )
+            else:
+                _remember(self._in_plans, key, hit)
         elif len(self._in_plans) > 8:  # keep the LRU order once there are several plans
             self._in_plans.move_to_end(key)
         plans, global_idx, masks, label_sizes, uneven = hit
-        if not self._out_specs_checked:
+        if compiling or not self._out_specs_checked:  # (compiled: no flag for Dynamo to guard on)
             self._precheck_out_specs()
         mesh = self.mesh
         if _debug.enabled:
             _debug.check_inputs(self.name, mesh, leaves, plans, InKind.GLOBAL)
             _stages.debug_check_inputs(self.name, mesh, args, leaves, plans, InKind.PER_RANK)
-        versions = [leaves[i]._version for i in global_idx]
+        # (compiled: Dynamo cannot read _version; in-place updates of global inputs go unchecked)
+        versions = [] if compiling else [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
         tr.uneven = uneven
         tr.bucket_mb = self._bucket_mb if self._tracked else 0.0
@@ -252,6 +267,7 @@ class _ShardMapped:
             and torch.is_grad_enabled()
             and any(isinstance(x, _Tensor) and x.requires_grad for x in local)
             and not _functorch_active()
+            and not compiling  # compiled: one all-reduce per input, as the backward reaches it
         ):
             # bucketed gradient reductions and compute_dtype casts for the inputs (_buckets.wrap)
             local = _buckets.wrap(
@@ -266,16 +282,21 @@ class _ShardMapped:
             self._check_unmodified(leaves, plans, global_idx, versions, tr)
         out_leaves, out_treedef = optree.tree_flatten(out)
         okey = (
-            out_treedef,
-            *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves],
+            None
+            if compiling
+            else (
+                out_treedef,
+                *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in out_leaves],
+            )
         )
         if _debug.enabled:
             _stages.debug_check_outputs(self.name, mesh, out, out_leaves, okey)  # + PerRank outputs
-        ohit = self._out_plans.get(okey)
+        ohit = None if compiling else self._out_plans.get(okey)
         if ohit is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)
             ohit = (oplans, any(p.uneven for p in oplans))  # (plans, some output scattered unevenly)
-            _remember(self._out_plans, okey, ohit)
+            if not compiling:
+                _remember(self._out_plans, okey, ohit)
         elif len(self._out_plans) > 8:
             self._out_plans.move_to_end(okey)
         oplans, out_uneven = ohit
@@ -340,6 +361,10 @@ class _ShardMapped:
             plans.append(self._in_plan(x, layout, path))
         per_rank = _stages.per_rank_leaves(args)
         if per_rank:  # leaves of fs.PerRank values: this rank's own, varying over their axes
+            _compile.refuse(
+                f"fs.shard_map({self.name}) with an fs.PerRank argument",
+                "call this shard_map'd function eagerly (outside the compiled function)",
+            )
             problems += _stages.mark_inputs(plans, per_rank, specs, paths, mesh, InKind)
             self._per_rank[treedef] = _stages.local_treedef(args)
         if problems:
@@ -379,7 +404,8 @@ class _ShardMapped:
             problems += [f"{path} {str(spec)!r}: {p}" for p in probs]
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems))
-        self._out_specs_checked = True
+        if not _compile.compiling():
+            self._out_specs_checked = True
 
     def _plan_outputs(self, out, leaves, treedef):
         mesh = self.mesh
@@ -480,10 +506,13 @@ class _ShardMapped:
                     f"seed=step) for dropout, or pass generator=fs.random.generator(seed, like=x) to "
                     f"torch.rand, torch.randn, torch.bernoulli, Tensor.normal_ and the rest"
                 )
-            raise SpecError(msg)
+            _compile.fail(SpecError, msg)
 
 
 # == eager evaluation =====================================================================
+
+
+_compile.allow_cached(bind, _spec._parse_cached)  # pure: Dynamo traces them without their cache
 
 
 def _remember(cache: collections.OrderedDict, key, value) -> None:
@@ -588,7 +617,7 @@ def _scale_unchecked(leaves: list, plans, tr) -> list:
         if extra:
             if out is None:
                 out = list(leaves)
-            n = math.prod(sizes[a] for a in tr.mesh.names_of(extra))
+            n = math.prod([sizes[a] for a in tr.mesh.names_of(extra)])
             out[i] = _vma.tag(_apply(_ScaleCotangent, x, 1.0 / n), tr, v)
     return leaves if out is None else out
 

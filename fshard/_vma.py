@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import _compile
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
@@ -38,8 +39,7 @@ from ._scalars import (
 
 _Tensor = torch.Tensor
 
-
-_ids = itertools.count(1)
+_compiling = _compile.compiling
 
 
 class Trace:
@@ -68,7 +68,7 @@ class Trace:
         self.mesh = mesh
         self.where = where
         self.pvary_cache: dict = {}
-        self.id = next(_ids)
+        self.id = _compile.next_id()
         self._mode: VmaMode | None = None
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
@@ -210,7 +210,8 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     missing = want & ~have
     if not missing or not (x.requires_grad and torch.is_grad_enabled()):
         return x
-    key = (id(x), x._version, missing)
+    # (compiled: Dynamo cannot read _version; the in-place rule drops a changed tensor's casts)
+    key = (id(x), missing) if _compiling() else (id(x), x._version, missing)
     hit = tr.pvary_cache.get(key)
     if hit is not None:
         return hit[1]
@@ -226,6 +227,13 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     tag(out, tr, have | missing)
     tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
     return out
+
+
+def _drop_casts(tr: Trace, x) -> None:
+    """Forget the pvary casts of ``x``, just changed in place (compiled calls)."""
+    i = id(x)
+    for key in [k for k in tr.pvary_cache if k[0] == i]:
+        del tr.pvary_cache[key]
 
 
 def _cast_args(seq, tr: Trace, union: int):
@@ -278,9 +286,12 @@ class VmaMode(TorchFunctionMode):
         if tr.queue is not None:  # results of queued collectives are about to be used (_combine)
             tr.queue.flush()
         tid = tr.id
-        kind = _KIND.get(func)
-        if kind is None:
-            kind = _KIND[func] = _classify(func)
+        if _compiling():  # a constant of the trace (Dynamo would guard on the cache's keys)
+            kind = _classify(func)
+        else:
+            kind = _KIND.get(func)
+            if kind is None:
+                kind = _KIND[func] = _classify(func)
         if kind is not _PLAIN and kind is not _INPLACE:
             return kind(func, tr, args, kwargs or {})
         # Union of the operands' masks, noting whether they differ (hot path: keep it flat).
@@ -353,6 +364,8 @@ class VmaMode(TorchFunctionMode):
                 setattr(args[0], _ATTR, (tid, union))
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
+        if kind is _INPLACE and _compiling() and tr.pvary_cache and args and isinstance(args[0], _Tensor):
+            _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
         return out
 
 
@@ -494,6 +507,7 @@ _INPLACE_DUNDERS = frozenset(
 )
 
 
+@torch._dynamo.assume_constant_result  # under torch.compile: decided at trace time, as a constant
 def _classify(func):
     """How ``VmaMode`` treats ``func``: a handler, or the plain or in-place rule (cached per func)."""
     special = {

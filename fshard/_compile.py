@@ -1,0 +1,128 @@
+"""``torch.compile`` of shard_map'd code: the few places where fshard meets Dynamo.
+
+fshard has one implementation of a shard_map call, eager and compiled alike: under
+``torch.compile`` Dynamo inlines ``_ShardMapped.__call__``, the planning, `VmaMode`'s
+``__torch_function__`` (which reads and sets the varying-axes tags on tensors) and the
+primitives, so the replication check and the spec errors run at trace time with eager's
+messages, and the graph holds only torch ops and the functional collectives. What Dynamo cannot
+trace is kept out of the traced path here:
+
+- the autograd Functions' forward-mode rules (``jvp``): Dynamo refuses a Function that defines
+  one, so the primitives' rules read as torch's default while compiling (`hide_jvp`);
+- functorch's wrapper test (a C function Dynamo cannot inline): no tensor Dynamo traces is a
+  functorch wrapper, so its polyfill answers False;
+- the pure, ``lru_cache``'d spec parsing and binding: traced through without the cache;
+- the trace ids (an ``itertools.count``): read at trace time as a constant (`next_id`).
+
+What is not yet supported under compile raises a `TracingError` naming the construct at trace
+time (`refuse`), never a silent fallback that changes results.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ._errors import TracingError
+
+__all__ = ["compiling", "refuse", "check_call", "fail", "hide_jvp", "next_id", "allow_cached"]
+
+compiling = torch.compiler.is_compiling
+"""Whether Dynamo is tracing the running code (a constant True in traced code, False in eager)."""
+
+
+class _JvpRule:
+    """An autograd Function's ``jvp`` that Dynamo does not see: while torch.compile compiles, the
+    attribute reads as ``Function.jvp`` (Dynamo refuses a Function with a custom forward-mode
+    rule, and a compiled graph has no forward mode), at any other time as the rule itself."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __get__(self, obj, cls=None):
+        return _BASE_JVP if compiling() else self.fn
+
+
+_BASE_JVP = torch.autograd.Function.jvp
+
+
+def hide_jvp(classes) -> None:
+    """Hide the ``jvp`` of each autograd Function in ``classes`` from Dynamo (`_JvpRule`)."""
+    for cls in classes:
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            rule = cls.__dict__.get("jvp")
+            if isinstance(rule, staticmethod):
+                setattr(cls, "jvp", _JvpRule(rule.__func__))  # noqa: B010
+
+
+_ids = itertools.count(1)
+
+
+@torch._dynamo.assume_constant_result
+def next_id() -> int:
+    """A fresh trace id; while compiling, taken once at trace time and baked in as a constant."""
+    return next(_ids)
+
+
+def allow_cached(*fns) -> None:
+    """Let Dynamo trace through these pure ``lru_cache``'d functions (it ignores the cache, which
+    is exact for a pure function) without its warning."""
+    allow = getattr(torch._dynamo.utils, "allow_lru_cache_wrapper_trace_without_warning", None)
+    if allow is not None:
+        for fn in fns:
+            allow(fn)
+
+
+def refuse(construct: str, fix: str) -> None:
+    """Raise a TracingError naming ``construct`` when torch.compile is tracing it."""
+    if compiling():
+        fail(
+            TracingError,
+            f"{construct} is not supported inside torch.compile yet (fshard refuses rather than "
+            f"compiling something that would mean another thing than the eager call); {fix}",
+        )
+
+
+def check_call(name: str, compute_dtype, no_sync: bool, debug: bool) -> None:
+    """While compiling, refuse the shard_map options a compiled call does not support yet."""
+    if compute_dtype is not None:
+        refuse(
+            f"fs.shard_map({name}, compute_dtype=...)",
+            "cast the parameters inside f (w.to(dtype)) instead, or call it eagerly",
+        )
+    if no_sync:
+        refuse(
+            f"fs.shard_map({name}) under fs.no_sync (or with gradients fs.no_sync left pending)",
+            "compile the step outside fs.no_sync and call the micro-batch steps eagerly",
+        )
+    if debug:
+        refuse(f"fs.shard_map({name}) under fs.debug", "turn fs.debug off, or call it eagerly")
+
+
+def fail(kind: type, message: str):
+    """Raise ``kind(message)``; while compiling, from trace time as itself (an exception raised in
+    traced code would reach the user as Dynamo's ``Unsupported: Observed exception``)."""
+    if compiling():
+        _raise_at_trace_time(kind, message)
+    raise kind(message)
+
+
+@torch._dynamo.assume_constant_result  # run (and raising) at trace time, not traced
+def _raise_at_trace_time(kind: type, message: str):
+    raise kind(message)
+
+
+def _no_functorch_wrappers() -> None:
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    try:
+
+        @torch._dynamo.substitute_in_graph(wrapped, skip_signature_check=True)
+        def _is_wrapped(tensor: torch.Tensor) -> bool:  # traced tensors are never functorch wrappers
+            return False
+
+    except (ValueError, TypeError):  # already given a polyfill (by torch, or a reload)
+        pass
+
+
+_no_functorch_wrappers()
