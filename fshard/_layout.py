@@ -22,14 +22,14 @@ class _cached:
     trace: the value lands in the instance's ``__dict__``, where later lookups find it first."""
 
     def __init__(self, fn):
-        self.fn = fn
-        self.name = fn.__name__
+        self.func = fn  # the names functools.cached_property uses (read by docs/gen_api.py)
+        self.attrname = fn.__name__
         self.__doc__ = fn.__doc__
 
     def __get__(self, obj, cls=None):
         if obj is None:
             return self
-        value = obj.__dict__[self.name] = self.fn(obj)
+        value = obj.__dict__[self.attrname] = self.func(obj)
         return value
 
 
