@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 _functorch_active = torch._C._are_functorch_transforms_active
-_fwd_ad = torch.autograd.forward_ad
 _compiling = torch.compiler.is_compiling
 
 
@@ -73,7 +72,6 @@ def deferrable(tr) -> bool:
         and tr._mode is not None  # VmaMode sees the ops that use the results
         and not tr.uneven
         and not _functorch_active()
-        and _fwd_ad.__dict__["_current_level"] < 0  # no forward-mode AD (torch.autograd.forward_ad)
         and not _compiling()
         and enabled()
         and not _watch.S.check  # fs.debug checks each call as made, against the other ranks'
