@@ -184,11 +184,24 @@ def _wait(t: torch.Tensor, rec: tuple | None) -> torch.Tensor:
         return _watch.wait(_WAIT, rec, t)
 
 
+_REAL: dict = {}  # process group -> whether its collectives move data (not the "fake" backend)
+
+
+def _real(g: AxisGroup) -> bool:
+    """Whether ``g``'s collectives move data: the "fake" backend (a world checked in one process)
+    returns whatever its buffers held, so tags sent through it would read as a disagreement."""
+    pg = g.group
+    real = _REAL.get(pg)
+    if real is None:
+        real = _REAL[pg] = dist.get_backend(pg) != "fake"  # type: ignore[arg-type]
+    return real
+
+
 def _reduce_tags(t: torch.Tensor, g: AxisGroup, op: str) -> tuple[tuple | None, list[int] | None]:
     """The record of the collective just issued, and the tags its all-reduce buffer carries (None:
     none, as when compiling or off the CPU; see ``_watchdog``)."""
     rec = issued()
-    if _compiling() or t.device.type != "cpu" or rec is None:
+    if _compiling() or t.device.type != "cpu" or rec is None or not _real(g):
         return rec, None
     return rec, _watch.reduce_tags(rec, t.dtype, g.size, op)
 
@@ -197,7 +210,14 @@ def _tag_start(t: torch.Tensor, g: AxisGroup) -> torch.Tensor | None:
     """Launch the all-gather of the tag of the collective just issued (right after its data, so that
     their latencies overlap); None when it carries no tag (see ``_watchdog``)."""
     rec = issued()
-    if not _watch.S.tags or _compiling() or t.device.type != "cpu" or rec is None or not rec[0]:
+    if (
+        not _watch.S.tags
+        or _compiling()
+        or t.device.type != "cpu"
+        or rec is None
+        or not rec[0]
+        or not _real(g)
+    ):
         return None
     return _launch(_ALL_GATHER, torch.tensor([_watch.tag(rec)], dtype=torch.int64), g.size, _name(g))
 
