@@ -68,7 +68,9 @@ class _State:
         self.done: tuple | None = None  # the last collective waited for
         self.thread = threading.main_thread().ident  # the thread that issues collectives
         self.check = os.environ.get("FSHARD_DEBUG", "") not in ("", "0")  # the fingerprint all-gather
-        self.tags = True  # the tags sent with the data (the same on every rank; off only to measure them)
+        # the tags sent with the data (the same on every rank): opt-in with FSHARD_DESYNC_TAGS=1 until
+        # their cost on FSDP steps is measured and a rare gloo abort seen beside them is ruled out
+        self.tags = os.environ.get("FSHARD_DESYNC_TAGS", "0") == "1"
         self.anonymous = 0  # > 0 inside fs.switch branches: call sites may differ by rank
         self.threshold: float | None = DEFAULT_HANG_REPORT
         self.started = False
