@@ -211,7 +211,7 @@ def _tag_start(t: torch.Tensor, g: AxisGroup) -> torch.Tensor | None:
     their latencies overlap); None when it carries no tag (see ``_watchdog``)."""
     rec = issued()
     if (
-        not _watch.S.tags
+        not _watch.S.gather_tags
         or _compiling()
         or t.device.type != "cpu"
         or rec is None

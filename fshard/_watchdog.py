@@ -55,6 +55,15 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _AUTOGRAD_DIR = os.path.join(_TORCH_DIR, "autograd") + os.sep
 
 
+_TAG_LEVELS = {  # FSHARD_DESYNC_TAGS -> (all-reduce tags, all-gathered tags of the other collectives)
+    "0": (False, False),
+    "off": (False, False),
+    "reduce": (True, False),
+    "1": (True, True),
+    "all": (True, True),
+}
+
+
 class _State:
     """This rank's collective state: written by the thread that issues collectives, read by the
     watchdog. A record is a tuple ``(seq, kind, names, ranks, shape, dtype, file, line, func, api,
@@ -68,9 +77,17 @@ class _State:
         self.done: tuple | None = None  # the last collective waited for
         self.thread = threading.main_thread().ident  # the thread that issues collectives
         self.check = os.environ.get("FSHARD_DEBUG", "") not in ("", "0")  # the fingerprint all-gather
-        # the tags sent with the data (the same on every rank): opt-in with FSHARD_DESYNC_TAGS=1 until
-        # their cost on FSDP steps is measured and a rare gloo abort seen beside them is ruled out
-        self.tags = os.environ.get("FSHARD_DESYNC_TAGS", "0") == "1"
+        # the tags sent with the data (see "always on" below). FSHARD_DESYNC_TAGS: "reduce" (the
+        # default) tags the all-reduces, in their own buffer, at no measurable cost; "all" (or "1")
+        # also all-gathers a tag after every other collective (one more tiny collective each, which
+        # costs 5-20 % of an FSDP step on gloo, see benchmarks/RESULTS.md); "0" turns both off.
+        level = os.environ.get("FSHARD_DESYNC_TAGS", "reduce").strip().lower()
+        if level not in _TAG_LEVELS:
+            raise ValueError(
+                f"FSHARD_DESYNC_TAGS={level!r} is not one of {', '.join(sorted(_TAG_LEVELS))}: "
+                "'reduce' (the default) tags the all-reduces, 'all' every collective, '0' none"
+            )
+        self.tags, self.gather_tags = _TAG_LEVELS[level]
         self.anonymous = 0  # > 0 inside fs.switch branches: call sites may differ by rank
         self.threshold: float | None = DEFAULT_HANG_REPORT
         self.started = False
@@ -238,9 +255,11 @@ def _fingerprint(rec: tuple, group: Any, device) -> None:
 # (for a sum; ``h`` and ``b - h`` for max and min), whose reductions are ``n * h`` and ``n * h * h``
 # only if every rank sent the same ``h`` (the variance of the ``h`` sent is 0), with ``h`` small
 # enough that the sums are exact in the buffer's dtype (several digits when it is small, as for
-# bfloat16). Other collectives all-gather the tag in a tiny int64 buffer launched right after the
-# data (their latencies overlap) and compare the tags. Tags are read on the host, so only CPU
-# tensors carry them (reading a CUDA tag would wait for the device); ``fs.debug`` checks any device.
+# bfloat16). This part is on by default. Under FSHARD_DESYNC_TAGS=all the other collectives also
+# all-gather the tag in a tiny int64 buffer launched right after the data and compare the tags; that
+# is one more collective each (5-20 % of a gloo FSDP step), so it is opt-in, and ``fs.debug`` checks
+# them all before anything is sent. Tags are read on the host, so only CPU tensors carry them
+# (reading a CUDA tag would wait for the device); ``fs.debug`` checks any device.
 
 _EXACT = {  # the integers a sum of this dtype represents exactly
     torch.float64: 2**53,

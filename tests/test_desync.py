@@ -207,14 +207,18 @@ def _tag_message(axes, ranks, groups):
 def _rank_skips_without_debug(X):
     from fshard import _watchdog as _wd
 
-    saved, _wd.S.tags = _wd.S.tags, True  # opt-in (FSHARD_DESYNC_TAGS=1)
+    assert (_wd.S.tags, _wd.S.gather_tags) == (True, False)  # the default: all-reduces carry tags
+    saved, _wd.S.gather_tags = _wd.S.gather_tags, True  # opt-in for the rest (FSHARD_DESYNC_TAGS=all)
     try:
-        return _rank_skips_body(X)
+        out = _rank_skips_body(X)
     finally:
-        _wd.S.tags = saved
+        _wd.S.gather_tags = saved
+    # the all-reduce cases again with the defaults: caught without debug mode and without the opt-in
+    again = _rank_skips_body(X, kinds=("psum", "pmax", "psum_bf16", "skip_tp", "agree"))
+    return out, again
 
 
-def _rank_skips_body(X):
+def _rank_skips_body(X, kinds=None):
     import torch.distributed as dist
 
     from fshard import _watchdog
@@ -223,6 +227,8 @@ def _rank_skips_body(X):
     out = {}
 
     def attempt(name, mesh, spec, f, x=X):
+        if kinds is not None and name not in kinds:
+            return
         _watchdog.reset()  # every case starts at collective #1 on every rank
         try:
             out[name] = ("value", fs.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec)(x).local)
@@ -277,8 +283,17 @@ def _rank_skips_body(X):
 def test_a_skipped_collective_raises_on_every_rank_without_debug_mode():
     X = torch.arange(16.0)
     start = time.monotonic()
-    got = run_ranks(4, _rank_skips_without_debug, X)
+    results = run_ranks(4, _rank_skips_without_debug, X)
     assert time.monotonic() - start < BOUND
+    got = [r[0] for r in results]
+    for r, (first, again) in enumerate(results):  # the all-reduces: the same with the default tags only
+        assert sorted(again) == ["agree", "pmax", "psum", "psum_bf16", "skip_tp"], r
+        for k, (kind, v) in again.items():
+            assert kind == first[k][0], (r, k)
+            if kind == "error":
+                assert v == first[k][1], (r, k)
+            else:
+                torch.testing.assert_close(v, first[k][1])
     world = "ranks 0, 1, 2, 3"
 
     def at(marker):
@@ -663,3 +678,35 @@ def test_torchrun_names_the_rank_that_did_not_arrive(tmp_path):
             f"(fs.init(timeout=...)): look for work the missing rank does alone (data loading, evaluation or "
             f"saving on one rank), or a collective it skipped"
         )
+
+
+def _tags_setting(value):
+    env = {k: v for k, v in os.environ.items() if k != "FSHARD_DESYNC_TAGS"}
+    if value is not None:
+        env["FSHARD_DESYNC_TAGS"] = value
+    code = "from fshard import _watchdog as w; print(w.S.tags, w.S.gather_tags)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        (None, "True False"),
+        ("reduce", "True False"),
+        ("all", "True True"),
+        ("1", "True True"),
+        ("0", "False False"),
+    ],
+)
+def test_desync_tags_setting(value, want):
+    out = _tags_setting(value)
+    assert out.stdout.strip() == want, out.stderr
+
+
+def test_desync_tags_setting_error():
+    out = _tags_setting("yes")
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ValueError: FSHARD_DESYNC_TAGS='yes' is not one of 0, 1, all, off, reduce: 'reduce' (the default) "
+        "tags the all-reduces, 'all' every collective, '0' none"
+    )
