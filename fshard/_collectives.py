@@ -37,7 +37,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import _comm, _scalars, _vma
+from . import _combine, _comm, _scalars, _vma
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
 from ._layout import chunk_sizes
@@ -305,6 +305,11 @@ def psum(x: _T, axis) -> _T:
         return _psum_number(x, axis, "psum")[0]
     if not isinstance(x, torch.Tensor):
         return _psum_tree(x, axis, "psum")
+    tr = _vma.active()
+    if _combine.deferrable(tr):
+        y = _combine.psum_later(x, axis, tr)
+        if y is not None:
+            return y
     tr, g, bits, v = _prologue(x, axis, "psum")
     vary = bits & v
     y = x
@@ -439,6 +444,11 @@ def all_gather(
         return _all_gather_tree(x, axis, dim, tiled, invariant)
     if async_op and not invariant and _transformed():
         return _ready(all_gather(x, axis, dim, tiled))
+    tr = _vma.active()
+    if not async_op and _combine.deferrable(tr):
+        y = _combine.all_gather_later(x, axis, dim, tiled, invariant, tr, _norm_dim)
+        if y is not None:
+            return y
     tr, g, bits, v = _prologue(x, axis, "all_gather")
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")

@@ -51,7 +51,18 @@ class Trace:
     keep nothing alive after the call.
     """
 
-    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "bucket_mb", "uneven", "ragged")
+    __slots__ = (
+        "mesh",
+        "pvary_cache",
+        "where",
+        "id",
+        "_mode",
+        "twins",
+        "bucket_mb",
+        "uneven",
+        "ragged",
+        "queue",
+    )
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh
@@ -67,6 +78,8 @@ class Trace:
         # a varying operand met an op whose output shape depends on the data (x[mask], nonzero,
         # unique, ...): the outputs' global shapes are found from their gathered block shapes
         self.ragged = False
+        # collectives issued and not yet run (`_combine.Queue`): flushed by the next torch op
+        self.queue = None
 
     def __enter__(self) -> Trace:
         _stack.append(self)
@@ -77,6 +90,11 @@ class Trace:
 
     def __exit__(self, *exc) -> None:
         try:
+            if self.queue is not None:
+                if exc[0] is None:
+                    self.queue.flush()  # f returned: the results it queued are filled
+                else:
+                    self.queue = None
             if self._mode is not None:
                 self._mode.__exit__(*exc)
                 self._mode = None
@@ -93,7 +111,10 @@ def current(where: str) -> Trace:
             f"have names; wrap the calling function with fs.shard_map(f, mesh=..., in_specs=..., "
             f"out_specs=...)"
         )
-    return _stack[-1]
+    tr = _stack[-1]
+    if tr.queue is not None:  # another collective: the queued ones run first, in issue order
+        tr.queue.flush()
+    return tr
 
 
 def active() -> Trace | None:
@@ -262,6 +283,8 @@ class VmaMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
+        if tr.queue is not None:  # results of queued collectives are about to be used (_combine)
+            tr.queue.flush()
         tid = tr.id
         if _compiling():  # a constant of the trace (Dynamo would guard on the cache's keys)
             kind = _classify(func)
