@@ -89,18 +89,22 @@ class Trace:
         return self
 
     def __exit__(self, *exc) -> None:
+        # Each step runs even when an earlier one raises: a collective flushed here may raise (a
+        # CollectiveError, a timeout) on some ranks only, and a VmaMode left on torch's mode stack
+        # would then track (and pvary) every op of that process's later calls, so that its
+        # backward issued other collectives than its peers'.
+        q, self.queue = self.queue, None  # a failed call leaves no queued work behind
         try:
-            if self.queue is not None:
-                if exc[0] is None:
-                    self.queue.flush()  # f returned: the results it queued are filled
-                else:
-                    self.queue = None
-            if self._mode is not None:
-                self._mode.__exit__(*exc)
-                self._mode = None
+            if q is not None and exc[0] is None:
+                q.flush()  # f returned: the results it queued are filled
         finally:
-            _stack.pop()
-            self.pvary_cache.clear()
+            mode, self._mode = self._mode, None
+            try:
+                if mode is not None:
+                    mode.__exit__(*exc)
+            finally:
+                _stack.pop()
+                self.pvary_cache.clear()
 
 
 def current(where: str) -> Trace:
@@ -119,6 +123,23 @@ def current(where: str) -> Trace:
 
 def active() -> Trace | None:
     return _stack[-1] if _stack else None
+
+
+def reset() -> int:
+    """End whatever shard_map state a previous job left on this process (a pool rank between
+    jobs): running traces, with their queued collectives, and `VmaMode` instances left on torch's
+    mode stack. Returns how many were ended (0 when the process was clean)."""
+    ended = 0
+    while _stack:
+        tr = _stack[-1]
+        tr.queue = None  # never run: the job that queued it has ended
+        tr.__exit__(None, None, None)
+        ended += 1
+    modes = torch.overrides._get_current_function_mode_stack()
+    while modes and isinstance(modes[-1], VmaMode):
+        modes.pop().__exit__(None, None, None)
+        ended += 1
+    return ended
 
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
