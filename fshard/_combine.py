@@ -19,7 +19,8 @@ whatever order the results are later used in):
 - when a bucket's results would exceed `cap_bytes` (``FSHARD_COMBINE_MB``, default 64 MB).
 
 ``FSHARD_COMBINE=0`` in the environment turns combining off (each call communicates at once,
-as before), for debugging. Calls are never combined under torch.func transforms, while
+as before), for debugging. Calls are never combined under torch.func transforms or forward-mode
+AD (``torch.autograd.forward_ad.dual_level``: the combined Functions have no jvp rule), while
 ``torch.compile`` traces, under ``fs.debug`` (which checks each call against the other ranks'),
 in a call with uneven blocks, or across dtypes.
 """
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 _functorch_active = torch._C._are_functorch_transforms_active
+_forward_ad = torch.autograd.forward_ad
 _compiling = torch.compiler.is_compiling
 
 
@@ -72,6 +74,7 @@ def deferrable(tr) -> bool:
         and tr._mode is not None  # VmaMode sees the ops that use the results
         and not tr.uneven
         and not _functorch_active()
+        and _forward_ad._current_level < 0  # forward-mode AD: the combined Functions have no jvp
         and not _compiling()
         and enabled()
         and not _watch.S.check  # fs.debug checks each call as made, against the other ranks'

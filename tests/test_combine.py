@@ -362,3 +362,44 @@ def _rank_uneven(W):
 def test_uneven_blocks_not_combined():
     W = torch.randn(5, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
     assert_ok(run_ranks(2, _rank_uneven, W))
+
+
+def _rank_forward_ad(W, T):
+    """Per-leaf fs.all_gather and fs.psum under forward-mode AD: run one call at a time (the
+    combined Functions have no jvp rule), with plain torch's primals and tangents."""
+    import torch.autograd.forward_ad as fwAD
+
+    mesh = fs.Mesh(dp=2)
+    errs: list = []
+
+    def f(ws, ts):
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(w, t) for w, t in zip(ws, ts)]
+            full = [fs.all_gather(d, "dp", dim=0, tiled=True, invariant=True) for d in duals]  # per leaf
+            sums = [fs.psum(d.sin(), "dp") for d in duals]
+            outs = [*full, *sums]
+            return [fwAD.unpack_dual(o).primal for o in outs], [fwAD.unpack_dual(o).tangent for o in outs]
+
+    step = fs.shard_map(f, mesh=mesh, in_specs=("(dp r) c", "(dp r) c"), out_specs=("...", "..."))
+    with fs.count_collectives() as counts:
+        primals, tangents = step(list(W), list(T))
+    blocks = [w.view(2, -1, w.shape[-1]) for w in W]
+    tblocks = [t.view(2, -1, t.shape[-1]) for t in T]
+    want_p = [*W, *(b.sin().sum(0) for b in blocks)]
+    want_t = [*T, *((b.cos() * tb).sum(0) for b, tb in zip(blocks, tblocks))]
+    for i, (p, t, wp, wt) in enumerate(zip(primals, tangents, want_p, want_t)):
+        close(errs, f"forward AD primal {i}", p, wp)
+        close(errs, f"forward AD tangent {i}", t, wt)
+    # each call at once: one collective for its primal, one for its tangent
+    if counts.combined or dict(counts.by_kind()) != {("all_gather", ("dp",)): 4, ("all_reduce", ("dp",)): 4}:
+        errs.append(
+            f"forward AD: {counts!r} {counts.combined}, want 4 all_gathers, 4 all_reduces, none combined"
+        )
+    return errs
+
+
+def test_forward_mode_ad_is_never_combined():
+    g = torch.Generator().manual_seed(4)
+    W = [torch.randn(4, 3, generator=g), torch.randn(6, 2, generator=g)]
+    T = [torch.randn(4, 3, generator=g), torch.randn(6, 2, generator=g)]
+    assert_ok(run_ranks(2, _rank_forward_ad, W, T))
