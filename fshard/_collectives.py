@@ -433,7 +433,8 @@ def all_gather(
 
     ``x`` may be a pytree of tensors, each gathered along ``dim``, or along its own dim when
     ``dim`` is a pytree of ints matching ``x`` (or a prefix of it): the leaves of one dtype go
-    in one all-gather (and their gradients in one reduce-scatter).
+    in one all-gather (and their gradients in one reduce-scatter), or, when their results pass
+    ``FSHARD_COMBINE_MB`` (4 MB by default), in a few, as per-leaf calls are combined.
 
     Examples:
         >>> layer = fs.all_gather({"w": w_shard, "b": b_shard}, "dp", tiled=True)
@@ -493,6 +494,12 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
         _norm_dim(d, x.dim() if tiled else x.dim() + 1, f"all_gather at {acc.codify('x')}")
         for x, d, acc in zip(leaves, per_leaf, accessors)
     ]
+    if g.size > 1 and _combine.deferrable(tr):  # queued as per-leaf calls: the same size-capped buckets
+        queued = [
+            _combine.all_gather_later(x, axis, d, tiled, invariant, tr, _norm_dim)
+            for x, d in zip(leaves, dims)
+        ]
+        return optree.tree_unflatten(treedef, queued)
     vs = [_vma.get(x, tr) for x in leaves]
     xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]
     out = list(xs)

@@ -133,7 +133,8 @@ def _rank_forms(sizes: dict, X):
             {rs: 2, **grads_in, **pvary},
             2 * n + 2 * n * bool(other),
         ),
-        "tree combine=1": ({dp: 2, ar: 3}, 5, {rs: 2, **grads_in, **pvary}, 2 + n + 2 * n * bool(other)),
+        # the pytree all_gather is queued leaf by leaf (a call per leaf), the pytree psum is not
+        "tree combine=1": ({dp: 2, ar: 3}, n + 3, {rs: 2, **grads_in, **pvary}, 2 * n + 2 * n * bool(other)),
         "leaf combine=0": (
             {dp: n, ar: n + 1},
             2 * n + 1,
@@ -296,6 +297,22 @@ def _rank_cases(X):
     close(errs, "capped: grad a", grads[0], torch.full_like(A, 10.0))  # outputs 1 and 4, x 2
     if _buckets(fwd) != [2, 2, 1] or _buckets(bwd, "reduce_scatter") != [1, 2, 2]:
         errs.append(f"capped: {fwd.combined} then {bwd.combined}, want buckets of 2, 2, 1 calls")
+
+    # the pytree form is queued leaf by leaf: the same size-capped buckets
+    def capped_tree(a, b, c):
+        return tuple(fs.all_gather([a, b, c, a, b], "dp", tiled=True))
+
+    with _env(FSHARD_COMBINE_MB=96 / 2**20):
+        outs, grads, fwd, bwd = _gathered(mesh, capped_tree, "(dp r) c", (V,) * 5, A, B, C)
+    close(errs, "capped tree: value", outs[4], _summed(B))
+    close(errs, "capped tree: grad a", grads[0], torch.full_like(A, 10.0))
+    if _buckets(fwd) != [2, 2, 1] or _buckets(bwd, "reduce_scatter") != [1, 2, 2]:
+        errs.append(f"capped tree: {fwd.combined} then {bwd.combined}, want buckets of 2, 2, 1 calls")
+    with _env(FSHARD_COMBINE="0"):  # one all_gather of the five leaves, one reduce_scatter back
+        outs, grads, fwd, bwd = _gathered(mesh, capped_tree, "(dp r) c", (V,) * 5, A, B, C)
+    close(errs, "tree, combining off: grad a", grads[0], torch.full_like(A, 10.0))
+    if _kinds(fwd) != {AG: 1} or _kinds(bwd, "reduce_scatter") != {("reduce_scatter", ("dp",)): 1}:
+        errs.append(f"tree, combining off: {fwd!r} then {bwd!r}, want 1 all_gather, 1 reduce_scatter")
 
     # errors of a call among queued ones: the same text; the queued calls still run right
     def errors(a, b):
