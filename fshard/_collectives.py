@@ -282,7 +282,9 @@ def psum(x: _T, axis) -> _T:
 
     The result is invariant over ``axis``. A value already invariant over ``axis`` is
     multiplied by the axis size without communication (that is the definition, as in JAX).
-    Gradient: the cotangent passes through unchanged (pvary); no communication.
+    Gradient: the cotangent passes through unchanged (pvary); no communication. Calls on one
+    tensor each, made one after the other before any result is used, run combined as one
+    all-reduce (``FSHARD_COMBINE=0`` turns that off; see the debugging page).
 
     Examples:
         >>> @fs.shard_map(mesh=mesh, in_specs=("b (tp k)", "(tp k) n"), out_specs="b n")
@@ -428,13 +430,19 @@ def all_gather(
     invariant over ``axis`` (so it may be returned with a replicated out_spec) and its
     gradient is this rank's slice of the cotangent, with no communication.
 
+    Calls made one after the other before any result is used (one leaf at a time) run
+    combined, as one all-gather per dtype and up to ``FSHARD_COMBINE_MB`` (4 MB) of results,
+    and their gradients as one reduce-scatter each (``FSHARD_COMBINE=0`` turns that off; see
+    the debugging page).
+
     Examples:
         >>> w = fs.all_gather(w_shard, "dp", dim=0, tiled=True)   # FSDP parameter
+        >>> full = optree.tree_map(lambda p: fs.all_gather(p, "dp", dim=0, tiled=True), params)  # combined
 
     ``x`` may be a pytree of tensors, each gathered along ``dim``, or along its own dim when
     ``dim`` is a pytree of ints matching ``x`` (or a prefix of it): the leaves of one dtype go
-    in one all-gather (and their gradients in one reduce-scatter), or, when their results pass
-    ``FSHARD_COMBINE_MB`` (4 MB by default), in a few, as per-leaf calls are combined.
+    in one all-gather (and their gradients in one reduce-scatter), or in a few when their
+    results pass ``FSHARD_COMBINE_MB``, as per-leaf calls are combined.
 
     Examples:
         >>> layer = fs.all_gather({"w": w_shard, "b": b_shard}, "dp", tiled=True)
