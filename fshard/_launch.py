@@ -298,7 +298,8 @@ class RankPool:
     If a rank raises or dies, the other ranks get a grace period of a few seconds to finish, are then
     killed (SIGTERM, then SIGKILL), and `fshard._errors.RankError` is raised; the pool is
     rebuilt transparently by the next `run`. Jobs must not leave collectives pending; each job
-    starts outside any ``shard_map`` call, with collective sequence numbers from 1. Not thread-safe: one `run` at a time.
+    starts outside any ``shard_map`` call, with collective sequence numbers from 1. Not
+    thread-safe: one `run` at a time.
 
     Args:
         nprocs: number of ranks (world size).
