@@ -425,7 +425,9 @@ CONTENDERS: dict[str, dict[str, Any]] = {
 
 # The demo's GPT (one tensor per parameter; benchmarks/gpt.py): the hand-written floor, the torch-native
 # recipe of the layout, and fshard: default bucket_mb, bucket_mb=0, and (in the data-parallel layouts,
-# where buckets apply) the demo's own step, value_and_grad inside shard_map.
+# where buckets apply) the demo's own step, value_and_grad inside shard_map; in the FSDP layouts also
+# the parameters gathered at the top of the step, one leaf at a time (combined, and with
+# FSHARD_COMBINE=0) and as one pytree.
 _G = "benchmarks.gpt:"
 GPT_NATIVE = {"gpt_dp": "ddp", "gpt_fsdp": "fsdp2", "gpt_dp_tp": "dtensor_tp_ddp", "gpt_fsdp_tp": "fsdp2_tp"}
 for _bench, _native in GPT_NATIVE.items():
@@ -437,6 +439,10 @@ for _bench, _native in GPT_NATIVE.items():
     }
     if not _bench.startswith("gpt_fsdp"):
         CONTENDERS[_bench]["fshard_vg"] = _F + "gpt_fshard_vg"
+    else:  # FSDP without fs.fsdp_scan: one all_gather per leaf (combined by fshard, or not), or one of the tree
+        CONTENDERS[_bench]["fshard_leaf"] = _F + "gpt_fshard_leaf"
+        CONTENDERS[_bench]["fshard_leaf_nocombine"] = _F + "gpt_fshard_leaf_nocombine"
+        CONTENDERS[_bench]["fshard_tree"] = _F + "gpt_fshard_tree"
 
 
 class Unavailable(Exception):

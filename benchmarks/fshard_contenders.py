@@ -331,3 +331,73 @@ def gpt_fshard_vg(ctx: Ctx) -> Prepared:
 
     values = _gpt_values(ctx, su, lambda: gpt.from_tree(last["grads"], cfg))
     return Prepared(step, values)
+
+
+def _gpt_gathered(ctx: Ctx, gather) -> Prepared:
+    """FSDP written without ``fs.fsdp_scan``: ``gather(params, dims)`` all-gathers the split parameters
+    at the top of the step, then the demo's plain forward; ``loss.backward()``."""
+    from fshard_demo.model import loss_fn
+
+    from . import gpt
+
+    su, mesh, specs, dims, flat = _gpt_setup(ctx)
+    cfg = su.cfg
+    params = gpt.to_tree(flat, cfg)
+    locals_ = [p.local for p in flat.values()]
+    opt = ctx.make_optimizer(locals_)
+    f = fs.shard_map(
+        lambda p, t: loss_fn(gather(p, dims), t, cfg), mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs=""
+    )
+    tokens = su.tokens
+
+    def step():
+        for t in locals_:
+            t.grad = None
+        loss = f(params, tokens)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return loss
+
+    values = _gpt_values(ctx, su, lambda: {n: p.grad for n, p in flat.items()})
+    return Prepared(step, values, lambda: ctx.memory_state(locals_, opt))
+
+
+def _gather_per_leaf(p, dims):
+    """The program a JAX user writes first: one ``fs.all_gather`` per parameter (fshard combines them)."""
+    import optree
+
+    return optree.tree_map(lambda t, d: t if d < 0 else fs.all_gather(t, "dp", dim=d, tiled=True), p, dims)
+
+
+def gpt_fshard_leaf(ctx: Ctx) -> Prepared:
+    """FSDP one leaf at a time: ``optree.tree_map(lambda p: fs.all_gather(p, "dp", ...), params)``."""
+    return _gpt_gathered(ctx, _gather_per_leaf)
+
+
+def gpt_fshard_leaf_nocombine(ctx: Ctx) -> Prepared:
+    """The same with combining off (``FSHARD_COMBINE=0``): one all_gather and one reduce_scatter per leaf."""
+    import os
+
+    prepared = _gpt_gathered(ctx, _gather_per_leaf)
+    inner = prepared.step
+
+    def step():
+        old = os.environ.get("FSHARD_COMBINE")
+        os.environ["FSHARD_COMBINE"] = "0"
+        try:
+            return inner()
+        finally:
+            if old is None:
+                del os.environ["FSHARD_COMBINE"]
+            else:
+                os.environ["FSHARD_COMBINE"] = old
+
+    return Prepared(step, prepared.values, prepared.state)
+
+
+def gpt_fshard_tree(ctx: Ctx) -> Prepared:
+    """FSDP with the pytree form: one ``fs.all_gather`` of all split parameters (``unshard``)."""
+    from fshard_demo.model import unshard
+
+    return _gpt_gathered(ctx, unshard)

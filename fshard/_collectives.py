@@ -37,7 +37,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import _comm, _scalars, _vma
+from . import _combine, _comm, _scalars, _vma
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
 from ._layout import chunk_sizes
@@ -282,7 +282,9 @@ def psum(x: _T, axis) -> _T:
 
     The result is invariant over ``axis``. A value already invariant over ``axis`` is
     multiplied by the axis size without communication (that is the definition, as in JAX).
-    Gradient: the cotangent passes through unchanged (pvary); no communication.
+    Gradient: the cotangent passes through unchanged (pvary); no communication. Calls on one
+    tensor each, made one after the other before any result is used, run combined as one
+    all-reduce (``FSHARD_COMBINE=0`` turns that off; see the debugging page).
 
     Examples:
         >>> @fs.shard_map(mesh=mesh, in_specs=("b (tp k)", "(tp k) n"), out_specs="b n")
@@ -305,6 +307,11 @@ def psum(x: _T, axis) -> _T:
         return _psum_number(x, axis, "psum")[0]
     if not isinstance(x, torch.Tensor):
         return _psum_tree(x, axis, "psum")
+    tr = _vma.active()
+    if _combine.deferrable(tr):
+        y = _combine.psum_later(x, axis, tr)
+        if y is not None:
+            return y
     tr, g, bits, v = _prologue(x, axis, "psum")
     vary = bits & v
     y = x
@@ -423,12 +430,19 @@ def all_gather(
     invariant over ``axis`` (so it may be returned with a replicated out_spec) and its
     gradient is this rank's slice of the cotangent, with no communication.
 
+    Calls made one after the other before any result is used (one leaf at a time) run
+    combined, as one all-gather per dtype and up to ``FSHARD_COMBINE_MB`` (4 MB) of results,
+    and their gradients as one reduce-scatter each (``FSHARD_COMBINE=0`` turns that off; see
+    the debugging page).
+
     Examples:
         >>> w = fs.all_gather(w_shard, "dp", dim=0, tiled=True)   # FSDP parameter
+        >>> full = optree.tree_map(lambda p: fs.all_gather(p, "dp", dim=0, tiled=True), params)  # combined
 
     ``x`` may be a pytree of tensors, each gathered along ``dim``, or along its own dim when
     ``dim`` is a pytree of ints matching ``x`` (or a prefix of it): the leaves of one dtype go
-    in one all-gather (and their gradients in one reduce-scatter).
+    in one all-gather (and their gradients in one reduce-scatter), or in a few when their
+    results pass ``FSHARD_COMBINE_MB``, as per-leaf calls are combined.
 
     Examples:
         >>> layer = fs.all_gather({"w": w_shard, "b": b_shard}, "dp", tiled=True)
@@ -439,6 +453,11 @@ def all_gather(
         return _all_gather_tree(x, axis, dim, tiled, invariant)
     if async_op and not invariant and _transformed():
         return _ready(all_gather(x, axis, dim, tiled))
+    tr = _vma.active()
+    if not async_op and _combine.deferrable(tr):
+        y = _combine.all_gather_later(x, axis, dim, tiled, invariant, tr, _norm_dim)
+        if y is not None:
+            return y
     tr, g, bits, v = _prologue(x, axis, "all_gather")
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
@@ -483,6 +502,12 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
         _norm_dim(d, x.dim() if tiled else x.dim() + 1, f"all_gather at {acc.codify('x')}")
         for x, d, acc in zip(leaves, per_leaf, accessors)
     ]
+    if g.size > 1 and _combine.deferrable(tr):  # queued as per-leaf calls: the same size-capped buckets
+        queued = [
+            _combine.all_gather_later(x, axis, d, tiled, invariant, tr, _norm_dim)
+            for x, d in zip(leaves, dims)
+        ]
+        return optree.tree_unflatten(treedef, queued)
     vs = [_vma.get(x, tr) for x in leaves]
     xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]
     out = list(xs)

@@ -43,9 +43,23 @@ class CollectiveCounts:
     ``ppermute`` is point-to-point: a rank records the bytes it sends (0 if it only receives),
     and a rank that no pair involves issues nothing and records nothing. ``gather`` and
     ``reduce`` (results on one rank) are recorded only by the ranks that take part.
+
+    Per-leaf ``fs.all_gather`` and ``fs.psum`` calls issued before their results are used run
+    combined, as one collective (see the debugging page): ``records`` has what went on the wire,
+    ``combined`` one ``(kind, axes, calls)`` record per combined collective, and ``calls`` the
+    number of user calls in all.
+
+    Examples:
+        >>> with fs.count_collectives() as counts:
+        ...     loss = step(params, batch)
+        >>> counts.total, counts.calls   # 2 collectives on the wire for 7 calls
+        (2, 7)
     """
 
     records: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
+    #: one ``(kind, axes, calls)`` record per combined collective: how many user calls (one leaf
+    #: each) it carries; see fshard's docs on combining. Its collective is also in ``records``.
+    combined: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -61,9 +75,17 @@ class CollectiveCounts:
         """A Counter of ``(kind, axes)`` to number of calls."""
         return Counter((k, a) for k, a, _ in self.records)
 
+    @property
+    def calls(self) -> int:
+        """Number of user calls the collectives carry: each combined collective counts the calls
+        it combined, every other collective one."""
+        return self.total + sum(n - 1 for _, _, n in self.combined)
+
     def __repr__(self) -> str:
         parts = [f"{k}{list(a)}: {n}" for (k, a), n in sorted(self.by_kind().items())]
-        return f"CollectiveCounts({', '.join(parts) or 'none'}; {self.bytes} bytes)"
+        calls = self.calls
+        more = f"; {calls} calls combined into {self.total}" if calls != self.total else ""
+        return f"CollectiveCounts({', '.join(parts) or 'none'}; {self.bytes} bytes{more})"
 
 
 _recorders: list[CollectiveCounts] = []
@@ -96,6 +118,14 @@ def _record(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
         item = (kind, g.names, t.numel() * t.element_size())
         for r in _recorders:
             r.records.append(item)
+
+
+def record_combined(kind: str, g: AxisGroup, calls: int) -> None:
+    """Note that the collective just recorded carries ``calls`` user calls (see `CollectiveCounts`)."""
+    if _recorders and g.size > 1:
+        item = (kind, g.names, calls)
+        for r in _recorders:
+            r.combined.append(item)
 
 
 _profiling = torch.autograd._profiler_enabled

@@ -87,9 +87,10 @@ def _error_message(exc: BaseException) -> tuple:
 def _run_job(data: bytes) -> bytes:
     """Unpickle ``(fn, args, kwargs)``, call it, and return the pickled reply."""
     try:
-        from . import _watchdog
+        from . import _vma, _watchdog
 
         _watchdog.reset()  # a job starts in step on every rank: collective sequence numbers from 1
+        _vma.reset()  # and outside any shard_map, whatever an earlier job left (no tracking mode)
         fn, args, kwargs = pickle.loads(data)
         return pickle.dumps(("ok", fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as exc:  # SystemExit too: a rank must always answer
@@ -296,8 +297,9 @@ class RankPool:
 
     If a rank raises or dies, the other ranks get a grace period of a few seconds to finish, are then
     killed (SIGTERM, then SIGKILL), and `fshard._errors.RankError` is raised; the pool is
-    rebuilt transparently by the next `run`. Jobs must not leave collectives pending, since
-    nothing is reset between jobs. Not thread-safe: one `run` at a time.
+    rebuilt transparently by the next `run`. Jobs must not leave collectives pending; each job
+    starts outside any ``shard_map`` call, with collective sequence numbers from 1. Not
+    thread-safe: one `run` at a time.
 
     Args:
         nprocs: number of ranks (world size).

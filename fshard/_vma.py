@@ -51,7 +51,18 @@ class Trace:
     keep nothing alive after the call.
     """
 
-    __slots__ = ("mesh", "pvary_cache", "where", "id", "_mode", "twins", "bucket_mb", "uneven", "ragged")
+    __slots__ = (
+        "mesh",
+        "pvary_cache",
+        "where",
+        "id",
+        "_mode",
+        "twins",
+        "bucket_mb",
+        "uneven",
+        "ragged",
+        "queue",
+    )
 
     def __init__(self, mesh: Mesh, where: str):
         self.mesh = mesh
@@ -67,6 +78,8 @@ class Trace:
         # a varying operand met an op whose output shape depends on the data (x[mask], nonzero,
         # unique, ...): the outputs' global shapes are found from their gathered block shapes
         self.ragged = False
+        # collectives issued and not yet run (`_combine.Queue`): flushed by the next torch op
+        self.queue = None
 
     def __enter__(self) -> Trace:
         _stack.append(self)
@@ -76,13 +89,22 @@ class Trace:
         return self
 
     def __exit__(self, *exc) -> None:
+        # Each step runs even when an earlier one raises: a collective flushed here may raise (a
+        # CollectiveError, a timeout) on some ranks only, and a VmaMode left on torch's mode stack
+        # would then track (and pvary) every op of that process's later calls, so that its
+        # backward issued other collectives than its peers'.
+        q, self.queue = self.queue, None  # a failed call leaves no queued work behind
         try:
-            if self._mode is not None:
-                self._mode.__exit__(*exc)
-                self._mode = None
+            if q is not None and exc[0] is None:
+                q.flush()  # f returned: the results it queued are filled
         finally:
-            _stack.pop()
-            self.pvary_cache.clear()
+            mode, self._mode = self._mode, None
+            try:
+                if mode is not None:
+                    mode.__exit__(*exc)
+            finally:
+                _stack.pop()
+                self.pvary_cache.clear()
 
 
 def current(where: str) -> Trace:
@@ -93,11 +115,31 @@ def current(where: str) -> Trace:
             f"have names; wrap the calling function with fs.shard_map(f, mesh=..., in_specs=..., "
             f"out_specs=...)"
         )
-    return _stack[-1]
+    tr = _stack[-1]
+    if tr.queue is not None:  # another collective: the queued ones run first, in issue order
+        tr.queue.flush()
+    return tr
 
 
 def active() -> Trace | None:
     return _stack[-1] if _stack else None
+
+
+def reset() -> int:
+    """End whatever shard_map state a previous job left on this process (a pool rank between
+    jobs): running traces, with their queued collectives, and `VmaMode` instances left on torch's
+    mode stack. Returns how many were ended (0 when the process was clean)."""
+    ended = 0
+    while _stack:
+        tr = _stack[-1]
+        tr.queue = None  # never run: the job that queued it has ended
+        tr.__exit__(None, None, None)
+        ended += 1
+    modes = torch.overrides._get_current_function_mode_stack()
+    while modes and isinstance(modes[-1], VmaMode):
+        modes.pop().__exit__(None, None, None)
+        ended += 1
+    return ended
 
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -262,6 +304,8 @@ class VmaMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
+        if tr.queue is not None:  # results of queued collectives are about to be used (_combine)
+            tr.queue.flush()
         tid = tr.id
         if _compiling():  # a constant of the trace (Dynamo would guard on the cache's keys)
             kind = _classify(func)

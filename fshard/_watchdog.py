@@ -92,6 +92,7 @@ class _State:
         self.threshold: float | None = DEFAULT_HANG_REPORT
         self.started = False
         self.reported: tuple | None = None  # the wait already reported
+        self.site: tuple | None = None  # the call site of collectives run later (fshard/_combine.py)
 
 
 S = _State()
@@ -145,7 +146,7 @@ def begin(kind: str, g: Any, t: torch.Tensor) -> tuple:
     else:
         seq = S.seqs.get(ranks, 0) + 1
         S.seqs[ranks] = seq
-    rec = (seq, kind, g.names, ranks, t.shape, t.dtype, *_site())
+    rec = (seq, kind, g.names, ranks, t.shape, t.dtype, *(S.site or _site()))
     S.issued = rec
     S.thread = threading.get_ident()
     if S.check and seq:

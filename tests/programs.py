@@ -113,10 +113,12 @@ def _p_fsdp(mesh, dtype, invariant=False):
         return fs.pmean(mse(_mlp(g, t["x"]), t["y"]), "dp")
 
     full = {p: inputs[p].numel() * e for p in params}
+    # the four per-leaf all_gathers (issued before any result is used) run as one (fshard/_combine.py)
+    total = sum(full.values())
     if invariant:  # gathered value is replicated: pvary at use, backward one all_reduce of it
         bwd = [("all_reduce", ("dp",), full[p]) for p in params]
-    else:
-        bwd = [("reduce_scatter", ("dp",), full[p]) for p in params]
+    else:  # the combined all_gather's transpose: one reduce_scatter
+        bwd = [("reduce_scatter", ("dp",), total)]
     return SimpleNamespace(
         inputs=inputs,
         specs={
@@ -131,7 +133,7 @@ def _p_fsdp(mesh, dtype, invariant=False):
         local=local,
         ref=lambda t: mse(_mlp(t, t["x"]), t["y"]),
         out_spec="",
-        fwd=[("all_gather", ("dp",), full[p] // n) for p in params] + [("all_reduce", ("dp",), e)],
+        fwd=[("all_gather", ("dp",), total // n), ("all_reduce", ("dp",), e)],
         bwd=bwd,
     )
 
@@ -268,9 +270,10 @@ def _p_fsdp_tp(mesh, dtype):
         local=local,
         ref=lambda t: mse(gelu_mlp(t, t["x"]) + t["b2"], t["y"]),
         out_spec="",
-        fwd=[("all_gather", ("dp",), gathered[p] // ndp) for p in params]
+        # the four all_gathers run as one (fshard/_combine.py), their transpose as one reduce_scatter
+        fwd=[("all_gather", ("dp",), sum(gathered.values()) // ndp)]
         + [("all_reduce", ("tp",), b * k * e), ("all_reduce", ("dp",), e)],
-        bwd=[("reduce_scatter", ("dp",), gathered[p]) for p in params],
+        bwd=[("reduce_scatter", ("dp",), sum(gathered.values()))],
     )
 
 
@@ -505,8 +508,9 @@ def _p_fsdp2d(mesh, dtype, order=("dp", "tp")):
         local=local,
         ref=lambda t: mse(_mlp(t, t["x"]), t["y"]),
         out_spec="",
-        fwd=[("all_gather", order, full[p] // n) for p in params] + [("all_reduce", ("dp", "tp"), e)],
-        bwd=[("reduce_scatter", order, full[p]) for p in params],
+        # the per-leaf all_gathers run as one (fshard/_combine.py), their transpose as one reduce_scatter
+        fwd=[("all_gather", order, sum(full.values()) // n), ("all_reduce", ("dp", "tp"), e)],
+        bwd=[("reduce_scatter", order, sum(full.values()))],
     )
 
 

@@ -145,8 +145,20 @@ def _shape_checks_apart():
 
 
 def _rank_fsdp_uneven(kind, forms):
-    with _shape_checks_apart() as checks:
-        return _fsdp_uneven(kind, forms, checks)
+    # uneven and even calls issue the same collectives call for call: per-leaf calls are not
+    # combined in calls with uneven blocks, so the even ones are run uncombined too
+    import os
+
+    old = os.environ.get("FSHARD_COMBINE")
+    os.environ["FSHARD_COMBINE"] = "0"
+    try:
+        with _shape_checks_apart() as checks:
+            return _fsdp_uneven(kind, forms, checks)
+    finally:
+        if old is None:
+            del os.environ["FSHARD_COMBINE"]
+        else:
+            os.environ["FSHARD_COMBINE"] = old
 
 
 def _fsdp_uneven(kind, forms, checks):

@@ -1,0 +1,306 @@
+"""Combining per-leaf collectives in eager, as XLA's collective combiner does when compiling.
+
+``optree.tree_map(lambda p: fs.all_gather(p, "dp", dim=0, tiled=True), params)`` issues one
+all_gather per leaf. Inside ``shard_map`` (where `VmaMode` sees every torch op) such a call does
+not communicate at once: it returns its result tensor, allocated but not yet filled, and queues
+the collective on the running `Trace`, in a bucket per key: kind, axes, options, dtype, device
+and grad mode (dtypes are never packed together). Each bucket runs as one coalesced collective
+(`AllGatherInto`, `AllReduceInto`), which fills the results in place and records one autograd
+node for all of them, so the backward is one coalesced reduce-scatter (all_gather) or no
+communication at all (psum).
+
+The queue is flushed, every bucket in the order of its key's first call (the same on every rank,
+whatever order the results are later used in):
+
+- at the first torch op run inside ``f`` after the calls (`VmaMode` checks ``trace.queue``),
+- when any fshard collective that is not queued is called (`_vma.current`), or a queued one whose
+  operand is a queued result,
+- when ``f`` returns (the trace's exit),
+- when a bucket's results would exceed `cap_bytes` (``FSHARD_COMBINE_MB``, default 4 MB): a
+  bucket's transient buffers (its packed operands and received blocks in the forward, its
+  gradients, packed, in the backward) are a few times its size, so small buckets keep the peak
+  memory near that of one call at a time (one bucket of a whole model took 1.5x FSDP2's peak).
+
+``FSHARD_COMBINE=0`` in the environment turns combining off (each call communicates at once,
+as before), for debugging. Calls are never combined under torch.func transforms or forward-mode
+AD (``torch.autograd.forward_ad.dual_level``: the combined Functions have no jvp rule), while
+``torch.compile`` traces, under ``fs.debug`` (which checks each call against the other ranks'),
+in a call with uneven blocks, or across dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _comm, _vma
+from . import _watchdog as _watch
+from ._comm import untracked
+from ._primitives import Pvary, ReduceScatterCoalesced, _untracked, apply, local_block
+
+__all__ = [
+    "enabled",
+    "cap_bytes",
+    "deferrable",
+    "psum_later",
+    "all_gather_later",
+    "empty",
+    "Queue",
+    "Bucket",
+    "push",
+    "hold",
+    "release",
+    "AllGatherInto",
+    "AllReduceInto",
+]
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_forward_ad = torch.autograd.forward_ad
+_compiling = torch.compiler.is_compiling
+
+
+def enabled() -> bool:
+    """Whether per-leaf collectives may be combined (``FSHARD_COMBINE=0`` turns it off)."""
+    return os.environ.get("FSHARD_COMBINE", "1") != "0"
+
+
+def cap_bytes() -> int:
+    """The most bytes of results one combined collective gathers (``FSHARD_COMBINE_MB``, default 4)."""
+    return int(float(os.environ.get("FSHARD_COMBINE_MB", "4")) * 2**20)
+
+
+def deferrable(tr) -> bool:
+    """Whether a collective issued now in trace ``tr`` may be queued."""
+    return (
+        tr is not None
+        and tr._mode is not None  # VmaMode sees the ops that use the results
+        and not tr.uneven
+        and not _functorch_active()
+        and _forward_ad._current_level < 0  # forward-mode AD: the combined Functions have no jvp
+        and not _compiling()
+        and enabled()
+        and not _watch.S.check  # fs.debug checks each call as made, against the other ranks'
+    )
+
+
+def psum_later(x, axis, tr):
+    """``fs.psum`` of a tensor varying over all of ``axis``, queued: its result (filled when the
+    queue runs), or None when it cannot be queued (the caller then runs it at once)."""
+    g = tr.mesh.axis_group(axis, "psum")
+    bits = tr.mesh.bits(g.names)
+    held = hold(tr)  # fshard's own torch ops on x below must not flush the queue
+    try:
+        v = _vma.get(x, tr)
+        if not bits & v or bits & ~v:  # invariant over some of the axes: a product, run at once
+            return None
+        out = empty(x.shape, x)
+        g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
+        key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled())
+        nbytes = out.numel() * out.element_size()
+    finally:
+        release(tr, held)
+    push(tr, key, g, x, out, 0, nbytes)
+    return _vma.tag(out, tr, v & ~bits)
+
+
+def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
+    """``fs.all_gather`` of one tensor, queued: its result (filled when the queue runs), or None
+    when it cannot be queued. ``norm_dim`` is the collectives' check of ``dim`` (same errors)."""
+    if not isinstance(x, torch.Tensor):
+        return None  # the caller's error
+    g = tr.mesh.axis_group(axis, "all_gather")
+    if g.size == 1:
+        return None
+    held = hold(tr)  # the checks below run torch ops on x, which must not flush the queue
+    try:
+        bits = tr.mesh.bits(g.names)
+        v = _vma.get(x, tr)
+        shape = list(x.shape)
+        dim = norm_dim(dim, len(shape) if tiled else len(shape) + 1, "all_gather")
+        x = _vma.pvary(x, tr, v, v | bits)
+        if tiled:
+            shape[dim] *= g.size
+        else:
+            shape.insert(dim, g.size)
+        out = empty(shape, x)
+        key = (
+            "all_gather",
+            g.names,
+            bool(tiled),
+            bool(invariant),
+            x.dtype,
+            x.device,
+            torch.is_grad_enabled(),
+        )
+        nbytes = out.numel() * out.element_size()
+    finally:
+        release(tr, held)
+    push(tr, key, g, x, out, dim, nbytes)
+    if invariant:
+        return _vma.tag(out, tr, v & ~bits)
+    _vma.tag(out, tr, v | bits)
+    out._fshard_gathered = g.names  # the replication check suggests invariant=True for it
+    return out
+
+
+class Bucket:
+    """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
+
+    __slots__ = ("key", "g", "items", "nbytes", "site")
+
+    def __init__(self, key, g, site):
+        self.key = key
+        self.g = g
+        self.items: list = []  # (operand, result, dim) per call
+        self.nbytes = 0
+        self.site = site  # the first call's site: what the watchdog's records and reports name
+
+    def run(self) -> None:
+        """Run the bucket's calls as one coalesced collective, filling their results."""
+        kind, _, tiled, invariant, _, _, grad = self.key
+        xs = [x for x, _, _ in self.items]
+        outs = [y for _, y, _ in self.items]
+        _watch.S.site = self.site
+        try:
+            with torch.set_grad_enabled(grad):
+                if kind == "all_gather":
+                    dims = tuple(d for _, _, d in self.items)
+                    apply(AllGatherInto, self.g, dims, tiled, invariant, len(xs), *xs, *outs)
+                else:
+                    apply(AllReduceInto, self.g, len(xs), *xs, *outs)
+        finally:
+            _watch.S.site = None
+        _comm.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
+
+
+class Queue:
+    """The collectives issued in one trace and not yet run: a bucket per key, in the order of each
+    key's first call (the same on every rank)."""
+
+    __slots__ = ("tr", "buckets", "outs")
+
+    def __init__(self, tr):
+        self.tr = tr
+        self.buckets: dict = {}
+        self.outs: set = set()  # ids of the results (an operand that is one flushes first)
+
+    def flush(self) -> None:
+        """Run every bucket, in order."""
+        if self.tr.queue is self:
+            self.tr.queue = None
+        for b in self.buckets.values():
+            b.run()
+
+
+def hold(tr):
+    """Detach ``tr``'s queue while a collective checks its arguments (fshard's own torch ops on
+    the operand must not flush it); give it back with `release`."""
+    q = tr.queue
+    tr.queue = None
+    return q
+
+
+def release(tr, q) -> None:
+    """Give back the queue `hold` took (unless it was flushed meanwhile)."""
+    if q is not None and tr.queue is None:
+        tr.queue = q
+
+
+def push(tr, key, g, x: torch.Tensor, out: torch.Tensor, dim: int, nbytes: int) -> None:
+    """Queue one call: ``out`` is filled from operand ``x`` when the queue is flushed."""
+    q = tr.queue
+    if q is not None:
+        b = q.buckets.get(key)
+        # the operand is a queued result, or this key's bucket is full: the queue runs first
+        if id(x) in q.outs or (b is not None and b.nbytes + nbytes > cap_bytes()):
+            q.flush()
+            q = None
+    if q is None:
+        q = tr.queue = Queue(tr)
+    b = q.buckets.get(key)
+    if b is None:
+        b = q.buckets[key] = Bucket(key, g, _watch._site())
+    b.items.append((x, out, dim))
+    b.nbytes += nbytes
+    q.outs.add(id(out))
+
+
+def empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """A result to be filled by a flush (a leaf that needs no gradient until then)."""
+    with untracked():
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+# -- the coalesced Functions that fill results given in advance -------------------------------
+
+
+def _pack(xs) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+class AllGatherInto(torch.autograd.Function):
+    """all_gather of n tensors with one all-gather, written into n given results (marked dirty,
+    so each result gets this node as its history). The transpose is one coalesced reduce-scatter,
+    or each tensor's local slice for an ``invariant`` result, as for `AllGatherCoalesced`."""
+
+    @staticmethod
+    @_untracked
+    def forward(g, dims, tiled, invariant, n, *args):
+        xs, outs = args[:n], args[n:]
+        blocks = _comm.all_gather_blocks(_pack(xs), g)  # [N, total]; row i from index i
+        size = blocks.shape[0]
+        offset = 0
+        for x, d, out in zip(xs, dims, outs):
+            k = x.numel()
+            src = blocks[:, offset : offset + k].view(size, *x.shape)
+            offset += k
+            if tiled:
+                dst = out.view(*x.shape[:d], size, x.shape[d], *x.shape[d + 1 :]).movedim(d, 0)
+            else:
+                dst = out.movedim(d, 0)
+            dst.copy_(src)
+        return tuple(outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[:5]
+        ctx.mark_dirty(*inputs[5 + inputs[4] :])
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, *cts):
+        g, dims, tiled, invariant, n = ctx.args
+        if invariant:
+            grads = tuple(local_block(ct, g, d, tiled) for ct, d in zip(cts, dims))
+        else:
+            grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
+            _comm.record_combined("reduce_scatter", g, n)
+        return (None, None, None, None, None, *grads, *([None] * n))
+
+
+class AllReduceInto(torch.autograd.Function):
+    """psum of n tensors with one all-reduce, written into n given results (marked dirty); the
+    transpose is pvary of each (no communication)."""
+
+    @staticmethod
+    @_untracked
+    def forward(g, n, *args):
+        xs, outs = args[:n], args[n:]
+        buf = _pack(xs)
+        _comm.all_reduce_(buf, g)
+        for p, out in zip(buf.split([x.numel() for x in xs]), outs):
+            out.copy_(p.view(out.shape))
+        return tuple(outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g, n = inputs[0], inputs[1]
+        ctx.mark_dirty(*inputs[2 + n :])
+        ctx.n = n
+
+    @staticmethod
+    def backward(ctx, *cts):
+        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+            cts = tuple(apply(Pvary, ct, ctx.g) for ct in cts)
+        return (None, None, *cts, *([None] * ctx.n))
