@@ -14,7 +14,10 @@ parameters are bit-identical to an uninterrupted run's.
 
 ``exits``: ``--runs`` 4-rank runs (``python -m fshard.run -n 4``) of a short script that does
 what the demo does before it exits (a 2x2 mesh, a training step with dp and tp collectives, an
-asynchronous all-gather, a checkpoint save and load), each checked for exit code 0 on every rank.
+asynchronous all-gather, a checkpoint save and load, then, as the demo, ``destroy_process_group``
+by the script and rank 0 printing last), each checked for exit code 0 on every rank.
+``--keep-groups``: the same runs without fshard releasing its meshes' process groups at exit (the
+teardown before that fix), for comparison.
 
 Each run is bounded in time and its whole process group is killed if it overruns. The counts go
 into the "Restarts and clean exits" section of ``benchmarks/RESULTS.md`` (``--write``).
@@ -192,11 +195,19 @@ def exit_program() -> None:
     checkpoint.save(ckpt, state, step=3)
     state = checkpoint.load(ckpt, state)
     total = sum(float(v.full().sum()) for v in state["params"].values())
-    if dist.get_rank() == 0:
+    # The demo's ending: the script destroys the default group itself, then rank 0 alone reports
+    # while the others are already exiting (the meshes still hold their groups).
+    dist.barrier()
+    dist.destroy_process_group()
+    if sys.argv[3:] == ["--keep-groups"]:  # the teardown before fshard released its groups at exit
+        from fshard import _env
+
+        _env._holders.clear()
+    if int(os.environ["RANK"]) == 0:
         print(f"exit program: done, parameter sum {total:.4f}", flush=True)
 
 
-def exits(runs: int, timeout: float) -> dict:
+def exits(runs: int, timeout: float, keep_groups: bool = False) -> dict:
     ok, seconds, problems = 0, [], []
     with tempfile.TemporaryDirectory(prefix="fshard-exits-") as tmp:
         for i in range(runs):
@@ -206,6 +217,7 @@ def exits(runs: int, timeout: float) -> dict:
                 "benchmarks.restarts",
                 "exit-program",
                 str(Path(tmp, str(i))),
+                *(["--keep-groups"] if keep_groups else []),
             ]
             code, out, dt, left = run_bounded(cmd, timeout)
             seconds.append(dt)
@@ -223,7 +235,7 @@ def exits(runs: int, timeout: float) -> dict:
             if why:
                 problems.append(f"run {i}: {why}")
             print(f"exit run {i}: {'ok' if why is None else why} ({dt:.1f} s)", flush=True)
-    return dict(ok=ok, runs=runs, seconds=sorted(seconds), problems=problems)
+    return dict(ok=ok, runs=runs, seconds=sorted(seconds), problems=problems, keep_groups=keep_groups)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,8 +277,14 @@ def section(kill_counts: dict | None, exit_counts: dict | None) -> str:
         lines += [
             "",
             f"Clean exits: {c['ok']} of {c['runs']} 4-rank runs (mesh dp=2 x tp=2, collectives on both "
-            "axes, an asynchronous all-gather, a checkpoint save and load) exited with code 0; "
-            f"median {_median(c['seconds']):.1f} s per run.",
+            "axes, an asynchronous all-gather, a checkpoint save and load, `destroy_process_group` by "
+            "the script as the demo does) exited with code 0; "
+            f"median {_median(c['seconds']):.1f} s per run"
+            + (
+                " (`--keep-groups`: without releasing the meshes' groups at exit)."
+                if c.get("keep_groups")
+                else "."
+            ),
         ]
         lines += [f"- {p}" for p in c["problems"]]
     lines.append(END)
@@ -289,11 +307,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--exit-runs", type=int, default=50, help="runs of `exits` under `both`")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one run may take")
+    parser.add_argument(
+        "--keep-groups", action="store_true", help="exits: do not release the meshes' groups at exit"
+    )
     parser.add_argument("--write", action="store_true", help="update the section of benchmarks/RESULTS.md")
     args = parser.parse_args()
     kill_counts = kills(args.runs, args.timeout) if args.what in ("kills", "both") else None
     exit_runs = args.exit_runs if args.what == "both" else args.runs
-    exit_counts = exits(exit_runs, args.timeout) if args.what in ("exits", "both") else None
+    exit_counts = exits(exit_runs, args.timeout, args.keep_groups) if args.what in ("exits", "both") else None
     text = section(kill_counts, exit_counts)
     print(text)
     if args.write:

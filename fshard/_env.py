@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where a rank records the exception
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # how many times the launcher restarted the ranks
 EXIT_BARRIER_TIMEOUT = 30.0  # seconds the at-exit barrier waits at most (half init's timeout if shorter)
 EXIT_AFTER_ERROR = 10.0  # seconds a rank that raised may spend in interpreter shutdown
+EXIT_RELEASE_TIMEOUT = 10.0  # seconds the process groups' threads may take to end at exit
 RENDEZVOUS_TIMEOUT = 300.0  # seconds to join a world at least: ranks may start seconds apart
 
 
@@ -534,27 +536,30 @@ def _exit_now(code: int) -> None:
 
 
 def _shutdown_at_exit() -> None:
-    """Tear the process group down before the interpreter does.
+    """Tear the process groups down before the interpreter does.
 
-    Left to interpreter teardown, a gloo group whose peers are still closing their connections
-    can abort the process ("terminate called without an active exception") after the script
-    has finished. A bounded barrier first lets every rank finish its last collective. A rank
-    whose script raised skips all of it and exits at once (code 1; 130 after Ctrl-C).
+    A bounded barrier first lets every rank finish its last collective; then the default group
+    is destroyed (unless the script did it) and `release_groups` ends the groups' threads while
+    the interpreter is still whole. A rank whose script raised skips all of it and exits at once
+    (code 1; 130 after Ctrl-C).
     """
     if _exit.failed:
         _exit_now(_exit.code)
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return
-    try:
-        _exit_barrier(_exit.barrier_timeout)
-    except Exception:  # a peer already failed: its launcher is ending every rank anyway
-        pass
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    from . import _watchdog
+
+    _watchdog.stop()  # before the barrier: no rank's watchdog polls a store whose host has left
+    if dist.is_initialized():
+        try:
+            _exit_barrier(_exit.barrier_timeout)
+        except Exception:  # a peer already failed: its launcher is ending every rank anyway
+            pass
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    release_groups(EXIT_RELEASE_TIMEOUT)
 
 
 def _exit_barrier(timeout: float) -> bool:
@@ -577,4 +582,66 @@ def _exit_barrier(timeout: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.02)
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# ending the process groups' threads
+
+# Callables registered by modules that keep process groups (``fshard._mesh``; this module cannot
+# import them): each drops its module's references to groups and returns the groups it held.
+_holders: list[Callable[[], list]] = []
+
+
+def hold_groups(release: Callable[[], list]) -> None:
+    """Register ``release``, which drops a module's references to process groups (at exit, or when
+    a pool rank ends) and returns the groups it dropped."""
+    if release not in _holders:
+        _holders.append(release)
+
+
+def release_groups(timeout: float) -> bool:
+    """End the threads of every process group fshard kept, before interpreter shutdown; False when
+    they did not end within ``timeout`` s.
+
+    ``destroy_process_group`` forgets the groups but does not end a gloo group's threads (two
+    workers and a transport loop per group): they end when the group object is freed, and
+    fshard's meshes keep their groups (and the DeviceMesh's) alive. Left to interpreter shutdown,
+    a worker that frees a finished collective's tensors while the interpreter is finalizing calls
+    into Python, which ends the thread with ``pthread_exit``; unwinding through C++ ``noexcept``
+    code then aborts the process ("terminate called without an active exception") after the
+    script has finished. So the meshes drop their groups here, and the last references are freed
+    on a helper thread (freeing a group joins its workers, which waits for its queued collectives)
+    bounded by ``timeout``: a collective that a peer never joined cannot make the exit hang.
+    """
+    import gc
+
+    from . import _watchdog
+
+    _watchdog.stop(timeout=2.0)  # its store connection and thread end first
+    held: list = []
+    for release in _holders:
+        try:
+            held.extend(release())
+        except Exception:
+            pass
+    box = [held]
+    del held
+
+    def free() -> None:
+        box.clear()  # the groups' last references: their destructors join their threads here
+        gc.collect()
+
+    thread = threading.Thread(target=free, daemon=True, name="fshard-release")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        try:
+            sys.stderr.write(
+                f"fshard: the process groups' threads did not end within {timeout:.0f} s at exit "
+                "(a collective issued and never waited for, or one a peer never joined?)\n"
+            )
+        except Exception:
+            pass
+        return False
     return True

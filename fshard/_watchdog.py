@@ -439,22 +439,28 @@ def ensure_started() -> None:
     _stop.clear()
     thread = threading.Thread(target=_watch, args=(dist.get_rank(),), daemon=True, name="fshard-watchdog")
     thread.start()
+    _thread[0] = thread
     if not _stop_hooked:
         import atexit
 
-        atexit.register(_stop_at_exit, thread)  # before the process group is torn down (LIFO)
+        atexit.register(stop)  # fs.init's exit hook also stops it, before tearing the groups down
         globals()["_stop_hooked"] = True
 
 
 _stop = threading.Event()
 _stop_hooked = False
+_thread: list[threading.Thread | None] = [None]
 
 
-def _stop_at_exit(thread: threading.Thread) -> None:
-    """Stop the watchdog and close its store connection before interpreter teardown."""
+def stop(timeout: float = 2.0) -> None:
+    """Stop the watchdog thread and close its store connections (at exit: before the process
+    groups are torn down and the interpreter shuts down). Idempotent."""
     _stop.set()
-    thread.join(timeout=2.0)
+    thread, _thread[0] = _thread[0], None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=timeout)
     _stores.clear()
+    S.started = False
 
 
 def _watch(rank: int) -> None:
