@@ -610,7 +610,8 @@ def release_groups(timeout: float) -> bool:
     a worker that frees a finished collective's tensors while the interpreter is finalizing calls
     into Python, which ends the thread with ``pthread_exit``; unwinding through C++ ``noexcept``
     code then aborts the process ("terminate called without an active exception") after the
-    script has finished. So the meshes drop their groups here, and the last references are freed
+    script has finished. So the meshes drop their groups here (and torch's functions their
+    default-argument copies of destroyed groups: `_drop_destroyed_defaults`), and the last references are freed
     on a helper thread (freeing a group joins its workers, which waits for its queued collectives)
     bounded by ``timeout``: a collective that a peer never joined cannot make the exit hang.
     """
@@ -625,6 +626,7 @@ def release_groups(timeout: float) -> bool:
             held.extend(release())
         except Exception:
             pass
+    _drop_destroyed_defaults()
     box = [held]
     del held
 
@@ -645,3 +647,52 @@ def release_groups(timeout: float) -> bool:
             pass
         return False
     return True
+
+
+def _drop_destroyed_defaults() -> None:
+    """Replace the destroyed process groups that torch.distributed's functions hold as default
+    arguments by None.
+
+    ``torch.distributed.nn.functional`` writes ``group=group.WORLD`` as default arguments; imported
+    after the default group was made (``torch._dynamo`` imports it, and fshard imports
+    ``torch._dynamo`` on first use, often after `fs.init`), its functions hold the world group, and
+    its threads, into interpreter shutdown long after ``destroy_process_group``. To every c10d call
+    None means the default group, so the functions mean what they meant; a group still in use
+    (not destroyed) is left alone. Functions and methods of classes of ``torch.distributed``'s
+    modules are scanned (a few milliseconds).
+    """
+    import types
+
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        live = c10d._world.pg_map
+        kind = dist.ProcessGroup
+    except Exception:
+        return
+
+    def dead(v: object) -> bool:
+        return isinstance(v, kind) and v not in live
+
+    def scrub(fn: object) -> None:
+        fn = getattr(fn, "__func__", fn)  # staticmethod, classmethod
+        if not isinstance(fn, types.FunctionType):
+            return
+        if fn.__defaults__ and any(dead(v) for v in fn.__defaults__):
+            fn.__defaults__ = tuple(None if dead(v) else v for v in fn.__defaults__)
+        if fn.__kwdefaults__ and any(dead(v) for v in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if dead(v) else v for k, v in fn.__kwdefaults__.items()}
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            continue
+        try:
+            for value in list(vars(module).values()):
+                if isinstance(value, type) and value.__module__ == name:
+                    for member in list(vars(value).values()):
+                        scrub(member)
+                else:
+                    scrub(value)
+        except Exception:
+            pass

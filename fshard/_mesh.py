@@ -35,7 +35,7 @@ class AxisGroup:
     up (or, for a combination of axes not made with the mesh, created) on first access.
     """
 
-    __slots__ = ("names", "size", "index", "order", "global_ranks", "_group", "_make", "pg_name")
+    __slots__ = ("names", "size", "index", "order", "global_ranks", "_group", "_make", "pg_name", "real")
 
     def __init__(
         self,
@@ -54,6 +54,10 @@ class AxisGroup:
         self._group: object | None = None
         self._make = make
         self.pg_name: str | None = None  # the ProcessGroup's name, once made (read by traced code)
+        # Whether the group's collectives move data (not the "fake" backend), once asked
+        # (``_comm._real``). Kept here, not in a table keyed by the group: a module-level table
+        # would keep the group, and its threads, alive past `_release_groups`.
+        self.real: bool | None = None
 
     @property
     def group(self) -> object | None:
