@@ -26,6 +26,7 @@ into the "Restarts and clean exits" section of ``benchmarks/RESULTS.md`` (``--wr
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import re
 import signal
@@ -171,6 +172,7 @@ def exit_program() -> None:
     import fshard as fs
     from fshard import checkpoint
 
+    atexit.register(_gloo_threads_at_exit)  # registered before fs.init: runs after fshard's exit hook
     fs.init()
     mesh = fs.Mesh(dp=2, tp=2)
     gen = torch.Generator().manual_seed(0)
@@ -207,8 +209,24 @@ def exit_program() -> None:
         print(f"exit program: done, parameter sum {total:.4f}", flush=True)
 
 
+def _gloo_threads_at_exit() -> None:
+    """Print how many gloo threads this rank still has after fshard's exit hook (Linux only): each
+    one left for interpreter shutdown can abort the process there."""
+    tasks = "/proc/self/task"
+    if os.path.isdir(tasks):
+        names = []
+        for task in os.listdir(tasks):
+            try:
+                names.append(Path(tasks, task, "comm").read_text())
+            except OSError:
+                pass
+        left = sum("gloo" in n for n in names)
+        print(f"exit program: rank {os.environ['RANK']} gloo threads at exit {left}", flush=True)
+
+
 def exits(runs: int, timeout: float, keep_groups: bool = False) -> dict:
     ok, seconds, problems = 0, [], []
+    threads_left = 0  # runs in which some rank still had gloo threads after fshard's exit hook
     with tempfile.TemporaryDirectory(prefix="fshard-exits-") as tmp:
         for i in range(runs):
             cmd = [
@@ -232,10 +250,23 @@ def exits(runs: int, timeout: float, keep_groups: bool = False) -> dict:
                 ] or out.splitlines()[-2:]
                 why = f"exit code {code}: {' | '.join(lines)[:300]}"
             ok += why is None
+            left_threads = [int(n) for n in re.findall(r"gloo threads at exit (\d+)", out)]
+            threads_left += len(left_threads) != 4 or any(left_threads)
             if why:
                 problems.append(f"run {i}: {why}")
-            print(f"exit run {i}: {'ok' if why is None else why} ({dt:.1f} s)", flush=True)
-    return dict(ok=ok, runs=runs, seconds=sorted(seconds), problems=problems, keep_groups=keep_groups)
+            print(
+                f"exit run {i}: {'ok' if why is None else why} ({dt:.1f} s; gloo threads left at "
+                f"exit per rank {left_threads})",
+                flush=True,
+            )
+    return dict(
+        ok=ok,
+        runs=runs,
+        seconds=sorted(seconds),
+        problems=problems,
+        keep_groups=keep_groups,
+        threads_left=threads_left,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,7 +310,8 @@ def section(kill_counts: dict | None, exit_counts: dict | None) -> str:
             f"Clean exits: {c['ok']} of {c['runs']} 4-rank runs (mesh dp=2 x tp=2, collectives on both "
             "axes, an asynchronous all-gather, a checkpoint save and load, `destroy_process_group` by "
             "the script as the demo does) exited with code 0; "
-            f"median {_median(c['seconds']):.1f} s per run"
+            f"median {_median(c['seconds']):.1f} s per run; runs in which a rank still had gloo "
+            f"threads after fshard's exit hook: {c['threads_left']}"
             + (
                 " (`--keep-groups`: without releasing the meshes' groups at exit)."
                 if c.get("keep_groups")
