@@ -37,6 +37,7 @@ RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # how many times the launcher 
 EXIT_BARRIER_TIMEOUT = 30.0  # seconds the at-exit barrier waits at most (half init's timeout if shorter)
 EXIT_AFTER_ERROR = 10.0  # seconds a rank that raised may spend in interpreter shutdown
 EXIT_RELEASE_TIMEOUT = 10.0  # seconds the process groups' threads may take to end at exit
+STORE_GRACE = 4.0  # seconds a store-hosting rank that timed out keeps the store up for its peers
 RENDEZVOUS_TIMEOUT = 300.0  # seconds to join a world at least: ranks may start seconds apart
 
 
@@ -469,6 +470,7 @@ class _ExitState:
     code = 1
     barrier_timeout = EXIT_BARRIER_TIMEOUT
     hooked = False
+    linger = 0.0  # seconds to wait before exiting after a failure (see `_on_uncaught`)
 
 
 _exit = _ExitState()
@@ -506,8 +508,19 @@ def _on_uncaught(exc: BaseException, tb: Any) -> None:
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
         write_error_file(path, exc, tb, secondary=is_comm_error(exc))
+    if getattr(exc, "fshard_blame", None) and _hosts_store():
+        # A collective timed out and this rank hosts the rendezvous store (rank 0 under fshard.run):
+        # the ranks of other groups, timing out about now, ask the others where they are through
+        # it before they record which ranks did not arrive at theirs. Exiting at once took the
+        # store away and left those ranks with gloo's bare timeout.
+        _exit.linger = STORE_GRACE
     # Interpreter shutdown joins non-daemon threads before the exit hooks run: bound it.
     threading.Thread(target=_exit_later, args=(EXIT_AFTER_ERROR,), daemon=True, name="fshard-exit").start()
+
+
+def _hosts_store() -> bool:
+    """Whether this rank hosts the rendezvous store (rank 0, unless the launcher hosts it)."""
+    return os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
 
 
 def _exit_later(delay: float) -> None:
@@ -544,6 +557,7 @@ def _shutdown_at_exit() -> None:
     (code 1; 130 after Ctrl-C).
     """
     if _exit.failed:
+        time.sleep(_exit.linger)
         _exit_now(_exit.code)
     import torch.distributed as dist
 
