@@ -38,6 +38,7 @@ EXIT_BARRIER_TIMEOUT = 30.0  # seconds the at-exit barrier waits at most (half i
 EXIT_AFTER_ERROR = 10.0  # seconds a rank that raised may spend in interpreter shutdown
 EXIT_RELEASE_TIMEOUT = 10.0  # seconds the process groups' threads may take to end at exit
 STORE_GRACE = 4.0  # seconds a store-hosting rank that timed out keeps the store up for its peers
+CONSEQUENCE_GRACE = 3.0  # seconds a rank failed by a peer's failure waits before exiting under torchrun
 RENDEZVOUS_TIMEOUT = 300.0  # seconds to join a world at least: ranks may start seconds apart
 
 
@@ -514,6 +515,11 @@ def _on_uncaught(exc: BaseException, tb: Any) -> None:
         # it before they record which ranks did not arrive at theirs. Exiting at once took the
         # store away and left those ranks with gloo's bare timeout.
         _exit.linger = STORE_GRACE
+    elif is_comm_error(exc) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        # A consequence (a connection closed by a peer whose collective timed out) under torchrun,
+        # whose agent stops every rank as soon as one exits: give that peer the time to ask where
+        # everyone is and to raise the error naming the ranks that did not arrive.
+        _exit.linger = CONSEQUENCE_GRACE
     # Interpreter shutdown joins non-daemon threads before the exit hooks run: bound it.
     threading.Thread(target=_exit_later, args=(EXIT_AFTER_ERROR,), daemon=True, name="fshard-exit").start()
 
