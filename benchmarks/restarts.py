@@ -14,7 +14,10 @@ parameters are bit-identical to an uninterrupted run's.
 
 ``exits``: ``--runs`` 4-rank runs (``python -m fshard.run -n 4``) of a short script that does
 what the demo does before it exits (a 2x2 mesh, a training step with dp and tp collectives, an
-asynchronous all-gather, a checkpoint save and load), each checked for exit code 0 on every rank.
+asynchronous all-gather, a checkpoint save and load, then, as the demo, ``destroy_process_group``
+by the script and rank 0 printing last), each checked for exit code 0 on every rank.
+``--keep-groups``: the same runs without fshard releasing its meshes' process groups at exit (the
+teardown before that fix), for comparison.
 
 Each run is bounded in time and its whole process group is killed if it overruns. The counts go
 into the "Restarts and clean exits" section of ``benchmarks/RESULTS.md`` (``--write``).
@@ -23,6 +26,7 @@ into the "Restarts and clean exits" section of ``benchmarks/RESULTS.md`` (``--wr
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import re
 import signal
@@ -168,6 +172,7 @@ def exit_program() -> None:
     import fshard as fs
     from fshard import checkpoint
 
+    atexit.register(_gloo_threads_at_exit)  # registered before fs.init: runs after fshard's exit hook
     fs.init()
     mesh = fs.Mesh(dp=2, tp=2)
     gen = torch.Generator().manual_seed(0)
@@ -192,12 +197,36 @@ def exit_program() -> None:
     checkpoint.save(ckpt, state, step=3)
     state = checkpoint.load(ckpt, state)
     total = sum(float(v.full().sum()) for v in state["params"].values())
-    if dist.get_rank() == 0:
+    # The demo's ending: the script destroys the default group itself, then rank 0 alone reports
+    # while the others are already exiting (the meshes still hold their groups).
+    dist.barrier()
+    dist.destroy_process_group()
+    if sys.argv[3:] == ["--keep-groups"]:  # the teardown before fshard released its groups at exit
+        from fshard import _env
+
+        _env._holders.clear()
+    if int(os.environ["RANK"]) == 0:
         print(f"exit program: done, parameter sum {total:.4f}", flush=True)
 
 
-def exits(runs: int, timeout: float) -> dict:
+def _gloo_threads_at_exit() -> None:
+    """Print how many gloo threads this rank still has after fshard's exit hook (Linux only): each
+    one left for interpreter shutdown can abort the process there."""
+    tasks = "/proc/self/task"
+    if os.path.isdir(tasks):
+        names = []
+        for task in os.listdir(tasks):
+            try:
+                names.append(Path(tasks, task, "comm").read_text())
+            except OSError:
+                pass
+        left = sum("gloo" in n for n in names)
+        print(f"exit program: rank {os.environ['RANK']} gloo threads at exit {left}", flush=True)
+
+
+def exits(runs: int, timeout: float, keep_groups: bool = False) -> dict:
     ok, seconds, problems = 0, [], []
+    threads_left = 0  # runs in which some rank still had gloo threads after fshard's exit hook
     with tempfile.TemporaryDirectory(prefix="fshard-exits-") as tmp:
         for i in range(runs):
             cmd = [
@@ -206,6 +235,7 @@ def exits(runs: int, timeout: float) -> dict:
                 "benchmarks.restarts",
                 "exit-program",
                 str(Path(tmp, str(i))),
+                *(["--keep-groups"] if keep_groups else []),
             ]
             code, out, dt, left = run_bounded(cmd, timeout)
             seconds.append(dt)
@@ -220,10 +250,23 @@ def exits(runs: int, timeout: float) -> dict:
                 ] or out.splitlines()[-2:]
                 why = f"exit code {code}: {' | '.join(lines)[:300]}"
             ok += why is None
+            left_threads = [int(n) for n in re.findall(r"gloo threads at exit (\d+)", out)]
+            threads_left += len(left_threads) != 4 or any(left_threads)
             if why:
                 problems.append(f"run {i}: {why}")
-            print(f"exit run {i}: {'ok' if why is None else why} ({dt:.1f} s)", flush=True)
-    return dict(ok=ok, runs=runs, seconds=sorted(seconds), problems=problems)
+            print(
+                f"exit run {i}: {'ok' if why is None else why} ({dt:.1f} s; gloo threads left at "
+                f"exit per rank {left_threads})",
+                flush=True,
+            )
+    return dict(
+        ok=ok,
+        runs=runs,
+        seconds=sorted(seconds),
+        problems=problems,
+        keep_groups=keep_groups,
+        threads_left=threads_left,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,8 +308,15 @@ def section(kill_counts: dict | None, exit_counts: dict | None) -> str:
         lines += [
             "",
             f"Clean exits: {c['ok']} of {c['runs']} 4-rank runs (mesh dp=2 x tp=2, collectives on both "
-            "axes, an asynchronous all-gather, a checkpoint save and load) exited with code 0; "
-            f"median {_median(c['seconds']):.1f} s per run.",
+            "axes, an asynchronous all-gather, a checkpoint save and load, `destroy_process_group` by "
+            "the script as the demo does) exited with code 0; "
+            f"median {_median(c['seconds']):.1f} s per run; runs in which a rank still had gloo "
+            f"threads after fshard's exit hook: {c['threads_left']}"
+            + (
+                " (`--keep-groups`: without releasing the meshes' groups at exit)."
+                if c.get("keep_groups")
+                else "."
+            ),
         ]
         lines += [f"- {p}" for p in c["problems"]]
     lines.append(END)
@@ -289,11 +339,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--exit-runs", type=int, default=50, help="runs of `exits` under `both`")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one run may take")
+    parser.add_argument(
+        "--keep-groups", action="store_true", help="exits: do not release the meshes' groups at exit"
+    )
     parser.add_argument("--write", action="store_true", help="update the section of benchmarks/RESULTS.md")
     args = parser.parse_args()
     kill_counts = kills(args.runs, args.timeout) if args.what in ("kills", "both") else None
     exit_runs = args.exit_runs if args.what == "both" else args.runs
-    exit_counts = exits(exit_runs, args.timeout) if args.what in ("exits", "both") else None
+    exit_counts = exits(exit_runs, args.timeout, args.keep_groups) if args.what in ("exits", "both") else None
     text = section(kill_counts, exit_counts)
     print(text)
     if args.write:

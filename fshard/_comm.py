@@ -214,16 +214,12 @@ def _wait(t: torch.Tensor, rec: tuple | None) -> torch.Tensor:
         return _watch.wait(_WAIT, rec, t)
 
 
-_REAL: dict = {}  # process group -> whether its collectives move data (not the "fake" backend)
-
-
 def _real(g: AxisGroup) -> bool:
     """Whether ``g``'s collectives move data: the "fake" backend (a world checked in one process)
     returns whatever its buffers held, so tags sent through it would read as a disagreement."""
-    pg = g.group
-    real = _REAL.get(pg)
+    real = g.real  # cached on the AxisGroup (see AxisGroup.real), not in a table keyed by group
     if real is None:
-        real = _REAL[pg] = dist.get_backend(pg) != "fake"  # type: ignore[arg-type]
+        real = g.real = dist.get_backend(g.group) != "fake"  # type: ignore[arg-type]
     return real
 
 

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -35,6 +36,9 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where a rank records the exception
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # how many times the launcher restarted the ranks
 EXIT_BARRIER_TIMEOUT = 30.0  # seconds the at-exit barrier waits at most (half init's timeout if shorter)
 EXIT_AFTER_ERROR = 10.0  # seconds a rank that raised may spend in interpreter shutdown
+EXIT_RELEASE_TIMEOUT = 10.0  # seconds the process groups' threads may take to end at exit
+STORE_GRACE = 4.0  # seconds a store-hosting rank that timed out keeps the store up for its peers
+CONSEQUENCE_GRACE = 3.0  # seconds a rank failed by a peer's failure waits before exiting under torchrun
 RENDEZVOUS_TIMEOUT = 300.0  # seconds to join a world at least: ranks may start seconds apart
 
 
@@ -467,6 +471,7 @@ class _ExitState:
     code = 1
     barrier_timeout = EXIT_BARRIER_TIMEOUT
     hooked = False
+    linger = 0.0  # seconds to wait before exiting after a failure (see `_on_uncaught`)
 
 
 _exit = _ExitState()
@@ -504,8 +509,24 @@ def _on_uncaught(exc: BaseException, tb: Any) -> None:
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
         write_error_file(path, exc, tb, secondary=is_comm_error(exc))
+    if getattr(exc, "fshard_blame", None) and _hosts_store():
+        # A collective timed out and this rank hosts the rendezvous store (rank 0 under fshard.run):
+        # the ranks of other groups, timing out about now, ask the others where they are through
+        # it before they record which ranks did not arrive at theirs. Exiting at once took the
+        # store away and left those ranks with gloo's bare timeout.
+        _exit.linger = STORE_GRACE
+    elif is_comm_error(exc) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        # A consequence (a connection closed by a peer whose collective timed out) under torchrun,
+        # whose agent stops every rank as soon as one exits: give that peer the time to ask where
+        # everyone is and to raise the error naming the ranks that did not arrive.
+        _exit.linger = CONSEQUENCE_GRACE
     # Interpreter shutdown joins non-daemon threads before the exit hooks run: bound it.
     threading.Thread(target=_exit_later, args=(EXIT_AFTER_ERROR,), daemon=True, name="fshard-exit").start()
+
+
+def _hosts_store() -> bool:
+    """Whether this rank hosts the rendezvous store (rank 0, unless the launcher hosts it)."""
+    return os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
 
 
 def _exit_later(delay: float) -> None:
@@ -534,27 +555,31 @@ def _exit_now(code: int) -> None:
 
 
 def _shutdown_at_exit() -> None:
-    """Tear the process group down before the interpreter does.
+    """Tear the process groups down before the interpreter does.
 
-    Left to interpreter teardown, a gloo group whose peers are still closing their connections
-    can abort the process ("terminate called without an active exception") after the script
-    has finished. A bounded barrier first lets every rank finish its last collective. A rank
-    whose script raised skips all of it and exits at once (code 1; 130 after Ctrl-C).
+    A bounded barrier first lets every rank finish its last collective; then the default group
+    is destroyed (unless the script did it) and `release_groups` ends the groups' threads while
+    the interpreter is still whole. A rank whose script raised skips all of it and exits at once
+    (code 1; 130 after Ctrl-C).
     """
     if _exit.failed:
+        time.sleep(_exit.linger)
         _exit_now(_exit.code)
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return
-    try:
-        _exit_barrier(_exit.barrier_timeout)
-    except Exception:  # a peer already failed: its launcher is ending every rank anyway
-        pass
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    from . import _watchdog
+
+    _watchdog.stop()  # before the barrier: no rank's watchdog polls a store whose host has left
+    if dist.is_initialized():
+        try:
+            _exit_barrier(_exit.barrier_timeout)
+        except Exception:  # a peer already failed: its launcher is ending every rank anyway
+            pass
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    release_groups(EXIT_RELEASE_TIMEOUT)
 
 
 def _exit_barrier(timeout: float) -> bool:
@@ -578,3 +603,116 @@ def _exit_barrier(timeout: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+# --------------------------------------------------------------------------------------------------
+# ending the process groups' threads
+
+# Callables registered by modules that keep process groups (``fshard._mesh``; this module cannot
+# import them): each drops its module's references to groups and returns the groups it held.
+_holders: list[Callable[[], list]] = []
+
+
+def hold_groups(release: Callable[[], list]) -> None:
+    """Register ``release``, which drops a module's references to process groups (at exit, or when
+    a pool rank ends) and returns the groups it dropped."""
+    if release not in _holders:
+        _holders.append(release)
+
+
+def release_groups(timeout: float) -> bool:
+    """End the threads of every process group fshard kept, before interpreter shutdown; False when
+    they did not end within ``timeout`` s.
+
+    ``destroy_process_group`` forgets the groups but does not end a gloo group's threads (two
+    workers and a transport loop per group): they end when the group object is freed, and
+    fshard's meshes keep their groups (and the DeviceMesh's) alive. Left to interpreter shutdown,
+    a worker that frees a finished collective's tensors while the interpreter is finalizing calls
+    into Python, which ends the thread with ``pthread_exit``; unwinding through C++ ``noexcept``
+    code then aborts the process ("terminate called without an active exception") after the
+    script has finished. So the meshes drop their groups here (and torch's functions their
+    default-argument copies of destroyed groups: `_drop_destroyed_defaults`), and the last references are freed
+    on a helper thread (freeing a group joins its workers, which waits for its queued collectives)
+    bounded by ``timeout``: a collective that a peer never joined cannot make the exit hang.
+    """
+    import gc
+
+    from . import _watchdog
+
+    _watchdog.stop(timeout=2.0)  # its store connection and thread end first
+    held: list = []
+    for release in _holders:
+        try:
+            held.extend(release())
+        except Exception:
+            pass
+    _drop_destroyed_defaults()
+    box = [held]
+    del held
+
+    def free() -> None:
+        box.clear()  # the groups' last references: their destructors join their threads here
+        gc.collect()
+
+    thread = threading.Thread(target=free, daemon=True, name="fshard-release")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        try:
+            sys.stderr.write(
+                f"fshard: the process groups' threads did not end within {timeout:.0f} s at exit "
+                "(a collective issued and never waited for, or one a peer never joined?)\n"
+            )
+        except Exception:
+            pass
+        return False
+    return True
+
+
+def _drop_destroyed_defaults() -> None:
+    """Replace the destroyed process groups that torch.distributed's functions hold as default
+    arguments by None.
+
+    ``torch.distributed.nn.functional`` writes ``group=group.WORLD`` as default arguments; imported
+    after the default group was made (``torch._dynamo`` imports it, and fshard imports
+    ``torch._dynamo`` on first use, often after `fs.init`), its functions hold the world group, and
+    its threads, into interpreter shutdown long after ``destroy_process_group``. To every c10d call
+    None means the default group, so the functions mean what they meant; a group still in use
+    (not destroyed) is left alone. Functions and methods of classes of ``torch.distributed``'s
+    modules are scanned (a few milliseconds).
+    """
+    import types
+
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        live = c10d._world.pg_map
+        kind = dist.ProcessGroup
+    except Exception:
+        return
+
+    def dead(v: object) -> bool:
+        return isinstance(v, kind) and v not in live
+
+    def scrub(fn: object) -> None:
+        fn = getattr(fn, "__func__", fn)  # staticmethod, classmethod
+        if not isinstance(fn, types.FunctionType):
+            return
+        if fn.__defaults__ and any(dead(v) for v in fn.__defaults__):
+            fn.__defaults__ = tuple(None if dead(v) else v for v in fn.__defaults__)
+        if fn.__kwdefaults__ and any(dead(v) for v in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if dead(v) else v for k, v in fn.__kwdefaults__.items()}
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            continue
+        try:
+            for value in list(vars(module).values()):
+                if isinstance(value, type) and value.__module__ == name:
+                    for member in list(vars(value).values()):
+                        scrub(member)
+                else:
+                    scrub(value)
+        except Exception:
+            pass

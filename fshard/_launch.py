@@ -38,6 +38,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._env import (
+    EXIT_RELEASE_TIMEOUT,
     HOST,
     RENDEZVOUS_TIMEOUT,
     check_timeout,
@@ -46,6 +47,7 @@ from ._env import (
     init,
     init_process_group,
     is_comm_error,
+    release_groups,
     torchrun_env,
 )
 from ._errors import FshardError, RankError
@@ -154,6 +156,7 @@ def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
                 dist.destroy_process_group()
         except Exception:
             pass
+        release_groups(EXIT_RELEASE_TIMEOUT)  # the groups' threads end before interpreter shutdown
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._env import collective_timeout
+from ._env import collective_timeout, hold_groups
 from ._errors import CollectiveError, MeshError, did_you_mean
 from ._spec import is_valid_name
 
@@ -35,7 +35,7 @@ class AxisGroup:
     up (or, for a combination of axes not made with the mesh, created) on first access.
     """
 
-    __slots__ = ("names", "size", "index", "order", "global_ranks", "_group", "_make", "pg_name")
+    __slots__ = ("names", "size", "index", "order", "global_ranks", "_group", "_make", "pg_name", "real")
 
     def __init__(
         self,
@@ -54,6 +54,10 @@ class AxisGroup:
         self._group: object | None = None
         self._make = make
         self.pg_name: str | None = None  # the ProcessGroup's name, once made (read by traced code)
+        # Whether the group's collectives move data (not the "fake" backend), once asked
+        # (``_comm._real``). Kept here, not in a table keyed by the group: a module-level table
+        # would keep the group, and its threads, alive past `_release_groups`.
+        self.real: bool | None = None
 
     @property
     def group(self) -> object | None:
@@ -70,6 +74,39 @@ class AxisGroup:
 _EAGER_AXES = 4  # meshes with at most this many axes of size > 1 make every multi-axis group up front
 _SHARED: dict = {}  # (names, sizes, device type) -> (DeviceMesh, AxisGroups, world group, groups)
 _BY_DEVICE_MESH: dict = {}  # id(DeviceMesh) -> (DeviceMesh, AxisGroups, world group, groups)
+
+
+def _release_groups() -> list:
+    """Drop every reference fshard's meshes hold to process groups (their AxisGroups, the groups
+    over several axes, the DeviceMeshes' registries) and return the groups (see
+    ``_env.release_groups``: at exit, so that the groups' threads end before interpreter shutdown).
+    A mesh used afterwards raises `MeshError` on its first collective."""
+    held: list = []
+    entries = list(_SHARED.values()) + list(_BY_DEVICE_MESH.values())
+    _SHARED.clear()
+    _BY_DEVICE_MESH.clear()
+    for dm, axis_groups, _, pgs in entries:
+        for g in axis_groups.values():
+            if g._group is not None:
+                held.append(g._group)
+            g._group, g._make = None, (_released if g.size > 1 else None)
+        held.extend(pgs.values())
+        pgs.clear()
+        registry = getattr(dm, "_pg_registry", None)
+        if isinstance(registry, dict):
+            held.extend(registry.values())
+            registry.clear()
+    return held
+
+
+def _released() -> object:
+    raise MeshError(
+        "this mesh's process groups were torn down (at exit, or at the end of a pool job); "
+        "build a new fs.Mesh after fs.init()"
+    )
+
+
+hold_groups(_release_groups)
 
 
 def _pg_options(backend: str | None, timeout: timedelta):

@@ -93,6 +93,7 @@ class _State:
         self.started = False
         self.reported: tuple | None = None  # the wait already reported
         self.site: tuple | None = None  # the call site of collectives run later (fshard/_combine.py)
+        self.epoch = 0  # jobs begun on this rank (`reset`): states of an earlier job are not read
 
 
 S = _State()
@@ -102,6 +103,7 @@ def reset() -> None:
     """Forget the sequence counters (a new job on a pool rank: every rank starts in step)."""
     S.seqs.clear()
     S.issued = S.current = S.done = S.reported = None
+    S.epoch += 1
 
 
 # -- call sites and records ------------------------------------------------------------------
@@ -371,7 +373,7 @@ def timed_out(exc: BaseException, rec: tuple | None) -> CollectiveError | None:
         return None
     waited = time.monotonic() - S.since
     try:
-        states = _collect(_main_store(), rec[3])
+        states = _collect(_main_store(), rec[3], reached=rec)
     except Exception:  # the store is gone (its host rank has already ended): gloo's error stands
         return None
     missing = _missing(rec, states)
@@ -399,6 +401,8 @@ def timed_out(exc: BaseException, rec: tuple | None) -> CollectiveError | None:
 def _whereabouts(state: dict | None) -> str:
     if state is None:
         return "did not answer: its process may have died, or its watchdog is not running"
+    if state.get("stale"):
+        return f"last answered that it {_whereabouts({**state, 'stale': False})}"
     if state["current"]:
         return f"is waiting in {state['current']} for {state['waited']:.0f} s"
     if state["done"] == "none":
@@ -407,9 +411,14 @@ def _whereabouts(state: dict | None) -> str:
 
 
 def _missing(rec: tuple, states: dict) -> list[int]:
-    """Ranks of ``rec``'s group that have not issued it (no answer counts as missing)."""
-    key = json.dumps(list(rec[3]))
-    return [r for r in rec[3] if r not in states or states[r]["seqs"].get(key, 0) < rec[0]]
+    """Ranks of ``rec``'s group that have not issued it (no answer counts as missing; a stale answer
+    counts as what it says, since a rank's sequence numbers only grow)."""
+    return [r for r in rec[3] if r not in states or not _reached(rec, states[r])]
+
+
+def _reached(rec: tuple, state: dict) -> bool:
+    """Whether the rank whose state this is had issued ``rec`` (or a later collective of its group)."""
+    return state["seqs"].get(json.dumps(list(rec[3])), 0) >= rec[0]
 
 
 def _states_text(rec: tuple, states: dict, missing: list[int]) -> str:
@@ -459,22 +468,28 @@ def ensure_started() -> None:
     _stop.clear()
     thread = threading.Thread(target=_watch, args=(dist.get_rank(),), daemon=True, name="fshard-watchdog")
     thread.start()
+    _thread[0] = thread
     if not _stop_hooked:
         import atexit
 
-        atexit.register(_stop_at_exit, thread)  # before the process group is torn down (LIFO)
+        atexit.register(stop)  # fs.init's exit hook also stops it, before tearing the groups down
         globals()["_stop_hooked"] = True
 
 
 _stop = threading.Event()
 _stop_hooked = False
+_thread: list[threading.Thread | None] = [None]
 
 
-def _stop_at_exit(thread: threading.Thread) -> None:
-    """Stop the watchdog and close its store connection before interpreter teardown."""
+def stop(timeout: float = 2.0) -> None:
+    """Stop the watchdog thread and close its store connections (at exit: before the process
+    groups are torn down and the interpreter shuts down). Idempotent."""
     _stop.set()
-    thread.join(timeout=2.0)
+    thread, _thread[0] = _thread[0], None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=timeout)
     _stores.clear()
+    S.started = False
 
 
 def _watch(rank: int) -> None:
@@ -534,6 +549,7 @@ def _state(rank: int, req: int) -> dict:
     return {
         "rank": rank,
         "req": req,
+        "epoch": S.epoch,
         "seqs": {json.dumps(list(k)): v for k, v in S.seqs.items()},
         "current": describe(rec) if rec is not None else None,
         "waited": time.monotonic() - since if rec is not None else 0.0,
@@ -547,10 +563,15 @@ def _answer(store, rank: int, req: int) -> None:
     store.set(f"{_PREFIX}state/{rank}", json.dumps(_state(rank, req)))
 
 
-def _collect(store, ranks: tuple) -> dict[int, dict]:
+def _collect(store, ranks: tuple, reached: tuple | None = None) -> dict[int, dict]:
     """Ask every rank for its state; wait (up to `_ANSWER_WAIT` s) for the answers of ``ranks``.
 
-    Requests other ranks post meanwhile are answered too (they may be collecting at the same time)."""
+    Requests other ranks post meanwhile are answered too (they may be collecting at the same time).
+    A rank that does not answer is given the state it last posted in this job, marked ``stale``: a
+    rank whose collective just failed (its connection closed by a peer that timed out) may have
+    ended already, and the sequence numbers it posted earlier still tell that it had reached the
+    collective (they only grow), so that it is not named as a rank that did not arrive. With
+    ``reached`` (a record), the wait ends once every rank not known to have reached it answered."""
     me = dist.get_rank()
     req = answered = int(store.add(_PREFIX + "req", 1))
     _answer(store, me, req)
@@ -561,6 +582,7 @@ def _collect(store, ranks: tuple) -> dict[int, dict]:
         if latest > answered:
             _answer(store, me, latest)
             answered = latest
+        stale: dict[int, dict] = {}
         for r in ranks:
             if r in states:
                 continue
@@ -569,8 +591,13 @@ def _collect(store, ranks: tuple) -> dict[int, dict]:
                 state = json.loads(store.get(key))
                 if state["req"] >= req:
                     states[r] = state
-        if len(states) == len(ranks) or time.monotonic() >= deadline:
-            return states
+                elif state.get("epoch") == S.epoch:
+                    stale[r] = {**state, "stale": True}
+        waiting = [r for r in ranks if r not in states]
+        if reached is not None:
+            waiting = [r for r in waiting if r not in stale or not _reached(reached, stale[r])]
+        if not waiting or time.monotonic() >= deadline:
+            return {**stale, **states}
         time.sleep(0.05)
 
 
@@ -586,7 +613,9 @@ def _print_report(rank: int, rec: tuple, since: float, states: dict) -> None:
         f"fshard: rank {rank} has waited {time.monotonic() - since:.0f} s in {describe(rec)} "
         f"(over {_ranks_text(rec[3])}); {verdict}"
     )
-    lead = min([rank, *(r for r in rec[3] if states.get(r) is not None and states[r]["current"])])
+    lead = min(
+        [rank, *(r for r in rec[3] if r in states and states[r]["current"] and not states[r].get("stale"))]
+    )
     if lead == rank:
         text = f"{head}:\n{_states_text(rec, states, missing)}\n"
     else:

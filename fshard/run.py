@@ -53,6 +53,11 @@ __all__ = ["main"]
 _KILL_AFTER_FAILURE = 3.0  # seconds between SIGTERM and SIGKILL once a rank failed
 _KILL_AFTER_SIGNAL = 10.0  # seconds ranks get to handle a forwarded SIGINT/SIGTERM
 _WAIT_FOR_CULPRIT = 2.0  # seconds to wait for the rank that caused the failures seen so far
+# Seconds to wait while every failure seen is a consequence (a connection closed by a peer whose
+# collective timed out): that peer first asks the others where they are (up to 2.5 s,
+# ``fshard._watchdog._ANSWER_WAIT``), then records which ranks did not arrive. After 2 s the
+# launcher used to blame a rank whose connection had been closed instead.
+_WAIT_FOR_RECORD = 6.0
 _WAIT_FOR_BLAME = 10.0  # at most, while ranks keep timing out waiting for ranks that did not arrive
 _RANK_MEMORY = 230 * 2**20  # resident memory of an idle rank: an interpreter with torch imported
 _RANKS_PER_CPU = 4  # beyond this many ranks per CPU, start-up and collectives crawl
@@ -314,7 +319,7 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
             if blamed is None and not received and any(code not in (None, 0) for code in codes):
                 if first_failure is None:
                     first_failure = now
-                verdict = _root_cause(codes, error_files, final=now - first_failure >= _WAIT_FOR_CULPRIT)
+                verdict = _root_cause(codes, error_files, final=now - first_failure >= _WAIT_FOR_RECORD)
             if verdict is not None and verdict[1].startswith("did not arrive"):
                 # Ranks that did not arrive are stuck elsewhere. The ranks of other groups waiting for
                 # them time out about now: give them the culprit's grace to name theirs too.

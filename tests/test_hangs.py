@@ -160,6 +160,55 @@ def test_the_launcher_blames_the_rank_that_failed_first(tmp_path):
     )
 
 
+RECORD_LATE_SCRIPT = """
+import os, sys, time
+from fshard._env import ERROR_FILE_ENV, write_error_file
+
+rank, path = os.environ["RANK"], os.environ[ERROR_FILE_ENV]
+
+def record(exc):
+    try:
+        raise exc
+    except RuntimeError as err:
+        write_error_file(path, err, err.__traceback__, secondary=True)
+
+if rank == "1":  # its connection closed by rank 0's timeout: a consequence, recorded at once
+    record(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    sys.exit(1)
+if rank == "0":  # timed out; asks the others where they are (up to 2.5 s), then records the blame
+    time.sleep(4)
+    err = RuntimeError("rank 0 timed out after 6 s")
+    err.fshard_blame = ([2], "did not arrive at #1 all_reduce, where rank 0 timed out waiting for it after 6 s")
+    record(err)
+    sys.exit(1)
+time.sleep(60)  # rank 2: stuck elsewhere
+"""
+
+
+def test_the_launcher_waits_for_the_blame_a_timed_out_rank_records_after_asking_the_others(tmp_path):
+    # A rank whose collective timed out records which ranks did not arrive only after asking them
+    # (up to 2.5 s); meanwhile the peers whose connections its timeout closed fail at once. The
+    # launcher used to give up waiting after 2 s and name one of those instead.
+    script = tmp_path / "late.py"
+    script.write_text(RECORD_LATE_SCRIPT)
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "fshard.run", "-n", "3", str(script)],
+        env=_clean_env(),
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert time.monotonic() - t0 < BOUND
+    assert out.returncode == 1, out.stderr
+    assert re.fullmatch(
+        r"fshard\.run: rank 2 \(pid \d+\) did not arrive at #1 all_reduce, where rank 0 timed out waiting "
+        r"for it after 6 s; terminating it and the \d other running rank\(s\)\n",
+        out.stderr,
+    ), out.stderr
+
+
 # --- 2. every group fshard creates gets the configured timeout ----------------------------------------
 
 
