@@ -120,6 +120,7 @@ _COMM_ERROR_MARKERS = (
     "gloo/transport/",
     "Connection closed by peer",
     "Connection reset by peer",
+    "pair closure",  # "Application timeout caused pair closure": a peer's timeout closed this pair
     "Broken pipe",
     "Socket Timeout",
     "Timed out waiting",
