@@ -23,7 +23,7 @@ The queue is flushed (its buckets handed, in the order of their keys' first call
 
 A flush does not wait: the `Flight` launches the buckets asynchronously in queue order (the same
 on every rank, whatever order the results are later used in), at most ``FSHARD_COMBINE_AHEAD``
-(default 2) in flight, and the first use of a result (a torch op taking it) waits for its own
+(default 2; 0 runs a flush's buckets at once and waits) in flight, and the first use of a result (a torch op taking it) waits for its own
 bucket only, which launches the next: the per-leaf FSDP form computes with one layer's
 parameters while the next ones arrive. Any other collective, and the trace's exit, wait for all.
 
@@ -81,8 +81,8 @@ def cap_bytes() -> int:
 
 def ahead() -> int:
     """How many combined collectives of the flushed queues are in flight at once, launched and not
-    yet waited for (``FSHARD_COMBINE_AHEAD``, default 2)."""
-    return max(1, int(os.environ.get("FSHARD_COMBINE_AHEAD", "2")))
+    yet waited for (``FSHARD_COMBINE_AHEAD``, default 2; 0: a flush runs them all and waits)."""
+    return max(0, int(os.environ.get("FSHARD_COMBINE_AHEAD", "2")))
 
 
 def deferrable(tr) -> bool:
@@ -247,7 +247,11 @@ class Flight:
             for k in b.ids:
                 owner[k] = b
             self.todo.append(b)
-        self._launch(ahead())
+        limit = ahead()
+        if limit:
+            self._launch(limit)
+        else:  # no overlap: every result filled now (for debugging and comparison)
+            self.drain()
 
     def _launch(self, limit: int) -> None:
         while self.todo and len(self.live) < limit:
@@ -269,7 +273,7 @@ class Flight:
             if self.tr.pending is self:
                 self.tr.pending = None
             return
-        self._launch(ahead())
+        self._launch(max(1, ahead()))
 
     def use(self, args, kwargs) -> None:
         """A torch op is about to run on ``args`` and ``kwargs``: fill the results among them."""

@@ -74,13 +74,13 @@ def test_later_buckets_are_in_flight_before_an_earlier_result_is_used():
 
 def _rank_many_buckets(sizes: dict, X):
     """The per-leaf and pytree forms of `tests.test_combine` with one bucket per leaf and 1, 2 or
-    all buckets in flight: values and gradients against plain torch, and the calls counted."""
+    all buckets in flight (0: none, a flush waits): values and gradients against plain torch, and the calls counted."""
     mesh = fs.Mesh(**sizes)
     want_loss, want_parts, want_grads = _reference(X)
     errs: list = []
     n = len(LEAVES)
     for form in ("leaf", "tree"):
-        for ahead in (1, 2, 100):
+        for ahead in (0, 1, 2, 100):
             with _env(FSHARD_COMBINE_MB=1 / 2**20, FSHARD_COMBINE_AHEAD=ahead):
                 params = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
                 with fs.count_collectives() as fwd:
