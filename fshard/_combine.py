@@ -26,6 +26,12 @@ on every rank, whatever order the results are later used in), at most ``FSHARD_C
 (default 2; 0 runs a flush's buckets at once and waits) in flight, and the first use of a result (a torch op taking it) waits for its own
 bucket only, which launches the next: the per-leaf FSDP form computes with one layer's
 parameters while the next ones arrive. Any other collective, and the trace's exit, wait for all.
+In the backward, a combined all_gather's node runs last (autograd runs the nodes recorded later
+first, and it was recorded at the launch), so its reduce-scatter would wait for the whole
+backward, holding every gradient: each result instead gets an `Arrived` node when it is filled,
+which hands its gradient to the bucket's `Early` as soon as it is complete; the bucket's
+reduce-scatter is launched when it has them all (at most ``FSHARD_COMBINE_AHEAD`` in flight), and
+the combined node takes its result.
 
 ``FSHARD_COMBINE=0`` in the environment turns combining off (each call communicates at once,
 as before), for debugging. Calls are never combined under torch.func transforms or forward-mode
@@ -44,7 +50,7 @@ import torch
 from . import _comm, _vma
 from . import _watchdog as _watch
 from ._comm import untracked
-from ._primitives import Pvary, ReduceScatterCoalesced, _untracked, apply, local_block
+from ._primitives import Pvary, ReduceScatterCoalesced, _owned, _untracked, apply, local_block, split_blocks
 
 __all__ = [
     "enabled",
@@ -162,7 +168,7 @@ def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
 class Bucket:
     """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
 
-    __slots__ = ("key", "g", "items", "nbytes", "site", "launched", "fill", "ids")
+    __slots__ = ("key", "g", "items", "nbytes", "site", "launched", "fill", "ids", "outs", "early")
 
     def __init__(self, key, g, site):
         self.key = key
@@ -173,6 +179,8 @@ class Bucket:
         self.launched = False
         self.fill = None  # once launched: waits for the collective and fills the results
         self.ids: list = []  # the ids of the results (while in a `Flight`)
+        self.outs: list | None = None  # the results, launched and not yet filled
+        self.early: Early | None = None  # their gradients' reduce-scatter, run early (all_gather)
 
     def launch(self) -> None:
         """Start the bucket's calls as one coalesced collective (recording its autograd node);
@@ -182,6 +190,9 @@ class Bucket:
         outs = [y for _, y, _ in self.items]
         dims = tuple(d for _, _, d in self.items)
         self.launched = True
+        self.outs = outs
+        if kind == "all_gather" and grad and not invariant and ahead():
+            self.early = Early(self.g, dims, tiled, len(xs))
         self.items = []  # the operands are packed: only the fill holds the results
         _watch.S.site = self.site
         try:
@@ -199,6 +210,12 @@ class Bucket:
         fill, self.fill = self.fill, None
         if fill is not None:
             fill()
+            outs, early = self.outs, self.early
+            self.outs = self.early = None
+            if early is not None and outs and outs[0].requires_grad:
+                with torch.enable_grad(), untracked():  # recorded now: see `Arrived`
+                    for i, out in enumerate(outs):
+                        apply(Arrived, early, i, out)
 
 
 class Queue:
@@ -265,10 +282,10 @@ class Flight:
             nxt = self.todo.popleft()
             self.live.append(nxt)
             nxt.launch()
-        b.wait()
         self.live.remove(b)
-        for k in b.ids:
+        for k in b.ids:  # first: the fill's own ops must not find them
             del self.owner[k]
+        b.wait()
         if not self.owner:
             if self.tr.pending is self:
                 self.tr.pending = None
@@ -387,15 +404,21 @@ class AllGatherInto(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.args = (*inputs[:4], inputs[5])
+        ctx.early = inputs[4].early
         ctx.mark_dirty(*inputs[6 + inputs[5] :])
 
     @staticmethod
     @_untracked
     def backward(ctx, *cts):
         g, dims, tiled, invariant, n = ctx.args
+        early = ctx.early
         if invariant:
             grads = tuple(local_block(ct, g, d, tiled) for ct, d in zip(cts, dims))
+        elif early is not None and early.started():
+            grads = early.result()  # reduce-scattered during the backward (`Arrived`)
         else:
+            if early is not None:  # some results got no gradient: the ones that did were kept
+                cts = early.merge(cts)
             grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
             _comm.record_combined("reduce_scatter", g, n)
         return (None, None, None, None, None, None, *grads, *([None] * n))
@@ -432,3 +455,101 @@ class AllReduceInto(torch.autograd.Function):
         if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
             cts = tuple(apply(Pvary, ct, ctx.g) for ct in cts)
         return (None, None, None, *cts, *([None] * ctx.n))
+
+
+# -- the backward's reduce-scatters, launched as their buckets' gradients complete ----------------
+
+_in_flight: deque = deque()  # `Early` reduce-scatters launched and not yet waited for (one process)
+
+
+class Early:
+    """The reduce-scatter of one combined all_gather's gradients, launched as soon as they are all
+    there (`Arrived`), long before autograd reaches the combined node (recorded at the launch, so
+    run last); that node waits for it. At most `ahead` of them are in flight: launching one waits
+    for the oldest (whose reduced blocks, 1/N of its gradients, are kept until its node runs)."""
+
+    __slots__ = ("g", "dims", "tiled", "cts", "have", "handle", "done")
+
+    def __init__(self, g, dims, tiled, n):
+        self.g, self.dims, self.tiled = g, dims, tiled
+        self.cts: list = [None] * n
+        self.have = 0
+        self.handle = None
+        self.done = None
+
+    def arrive(self, i: int, ct: torch.Tensor) -> None:
+        """Result ``i``'s gradient is complete: keep it; with all of them, launch the reduce-scatter."""
+        if self.cts[i] is None:
+            self.have += 1
+        self.cts[i] = ct
+        if self.have == len(self.cts):
+            cts, self.cts, self.have = self.cts, [None] * len(self.cts), 0
+            with untracked():
+                parts = [split_blocks(x, self.g.size, d, self.tiled) for x, d in zip(cts, self.dims)]
+                del cts
+                buf = torch.cat([p.reshape(self.g.size, -1) for p in parts], dim=1)  # [N, total]
+                shapes = [p.shape[1:] for p in parts]
+                del parts
+                handle = _comm.reduce_scatter_start(buf, self.g)
+            _comm.record_combined("reduce_scatter", self.g, len(shapes))
+            del buf
+
+            def finish():
+                mine = handle.wait()
+                return tuple(
+                    _owned(m.view(s)) for m, s in zip(mine.split([s.numel() for s in shapes]), shapes)
+                )
+
+            self.handle = finish
+            _in_flight.append(self)
+            while len(_in_flight) > max(1, ahead()):
+                _in_flight.popleft().wait()
+
+    def wait(self) -> None:
+        """Wait for the launched reduce-scatter, keeping this rank's blocks."""
+        finish, self.handle = self.handle, None
+        if finish is not None:
+            with untracked():
+                self.done = finish()
+
+    def started(self) -> bool:
+        return self.handle is not None or self.done is not None
+
+    def result(self) -> tuple:
+        """The reduced gradients (waiting if needed); ready for the next backward."""
+        if self.handle is not None:
+            _in_flight.remove(self)
+            self.wait()
+        done, self.done = self.done, None
+        return done  # type: ignore[return-value]
+
+    def merge(self, cts) -> tuple:
+        """The gradients the combined node got, with those `Arrived` kept in their place."""
+        kept, self.cts, self.have = self.cts, [None] * len(self.cts), 0
+        return tuple(ct if k is None else k for ct, k in zip(cts, kept))
+
+
+class Arrived(torch.autograd.Function):
+    """Identity, in place, on a combined all_gather's result, recorded when the result is filled
+    (just before its first use). Autograd runs the nodes recorded later first, so this one runs as
+    soon as the result's gradient is complete, while the combined node, recorded when the bucket
+    was launched, runs at the end of the backward: this hands the gradient to the bucket's `Early`
+    and passes on zeros (a broadcast scalar: no memory). Under double backward (create_graph) it
+    passes the gradient on, for the combined node's differentiable reduce-scatter."""
+
+    @staticmethod
+    def forward(early, i, x):
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.early, ctx.i = inputs[0], inputs[1]
+        ctx.mark_dirty(inputs[2])
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        if torch.is_grad_enabled():
+            return None, None, ct
+        ctx.early.arrive(ctx.i, ct)
+        return None, None, ct.new_zeros(()).expand(ct.shape)

@@ -138,3 +138,122 @@ def _rank_opposite_orders(X):
 def test_ranks_using_results_in_opposite_orders():
     X = torch.randn(32, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64).float()
     assert_ok(run_ranks(2, _rank_opposite_orders, X, timeout=60))
+
+
+def _rank_backward_early(X, W):
+    """Four layers, a bucket per layer: the gradients' reduce-scatters are launched as each layer's
+    gradients complete (before the backward reaches the first layer), waited at the end; the
+    gradients agree with plain torch, and nothing is launched twice."""
+    mesh = fs.Mesh(dp=2)
+    errs: list = []
+    seen: list = []
+    counts = fs.CollectiveCounts()
+    RS = ("reduce_scatter", ("dp",))
+
+    def f(x, *ws):
+        ys = [fs.all_gather(w, "dp", dim=0, tiled=True) for w in ws]
+        h = x
+        first = None
+        for y in ys:
+            h = torch.tanh(h @ y)
+            first = h if first is None else first
+        first.register_hook(lambda g: seen.append(counts.by_kind()[RS]))  # the first layer's backward
+        return fs.psum(h.square().sum(), "dp")
+
+    ws = [w.clone().requires_grad_(True) for w in W]
+    step = fs.shard_map(f, mesh=mesh, in_specs=("(dp b) c", *["(dp r) c"] * len(W)), out_specs="")
+    from fshard import _comm
+
+    for ahead in (2, 0):
+        for w in ws:
+            w.grad = None
+        seen.clear()
+        with _env(FSHARD_COMBINE_MB=1 / 2**20, FSHARD_COMBINE_AHEAD=ahead):
+            _comm._recorders.append(counts)
+            try:
+                counts.records.clear()
+                counts.combined.clear()
+                step(X, *ws).backward()
+            finally:
+                _comm._recorders.remove(counts)
+        # early: layers 4, 3 and 2's reduce-scatters are on the wire when layer 1's backward runs
+        want = 3 if ahead else 0
+        if seen != [want]:
+            errs.append(
+                f"ahead={ahead}: reduce_scatters launched at the first layer's backward {seen}, want [{want}]"
+            )
+        if (
+            counts.by_kind()[RS] != 4
+            or [n for k, _, n in counts.combined if k == "reduce_scatter"] != [1] * 4
+        ):
+            errs.append(f"ahead={ahead}: {counts!r} {counts.combined}, want 4 reduce_scatters of one call")
+        ref = [w.detach().clone().requires_grad_(True) for w in W]
+        h = X
+        for w in ref:
+            h = torch.tanh(h @ w)
+        h.square().sum().backward()
+        for i, (w, r) in enumerate(zip(ws, ref)):
+            close(errs, f"ahead={ahead}: grad {i}", w.grad, r.grad)
+    return errs
+
+
+def test_backward_reduce_scatters_launch_as_their_gradients_complete():
+    g = torch.Generator().manual_seed(8)
+    X = torch.randn(8, 4, generator=g, dtype=torch.float64).float()
+    W = [(torch.randn(4, 4, generator=g, dtype=torch.float64) * 0.5).float() for _ in range(4)]
+    assert_ok(run_ranks(2, _rank_backward_early, X, W))
+
+
+def _rank_backward_fallbacks(X, W):
+    """A bucket whose results do not all get a gradient (reduce-scattered at the end, with the
+    gradients that came early), and double backward (create_graph: the differentiable path)."""
+    mesh = fs.Mesh(dp=2)
+    errs: list = []
+
+    def f(x, *ws):
+        extra = ws[0] * 2
+        ys = [fs.all_gather(w, "dp", dim=0, tiled=True) for w in ws]
+        unused = fs.all_gather(extra, "dp", dim=0, tiled=True)  # same bucket, never in the loss
+        del unused
+        h = x
+        for y in ys:
+            h = torch.tanh(h @ y)
+        return fs.psum(h.square().sum(), "dp")
+
+    step = fs.shard_map(f, mesh=mesh, in_specs=("(dp b) c", *["(dp r) c"] * len(W)), out_specs="")
+
+    def ref_loss(ws):
+        h = X
+        for w in ws:
+            h = torch.tanh(h @ w)
+        return h.square().sum()
+
+    ws = [w.clone().requires_grad_(True) for w in W]
+    with fs.count_collectives() as bwd_counts:
+        loss = step(X, *ws)
+        loss.backward()
+    ref = [w.clone().requires_grad_(True) for w in W]
+    ref_loss(ref).backward()
+    for i, (w, r) in enumerate(zip(ws, ref)):
+        close(errs, f"partial bucket: grad {i}", w.grad, r.grad)
+    if [n for k, _, n in bwd_counts.combined if k == "reduce_scatter"] != [5]:
+        errs.append(f"partial bucket: {bwd_counts.combined}, want one reduce_scatter of 5 calls")
+
+    # double backward: d/dw of the squared gradient norm
+    ws = [w.clone().requires_grad_(True) for w in W]
+    grads = torch.autograd.grad(step(X, *ws), ws, create_graph=True)
+    sum(g.square().sum() for g in grads).backward()
+    ref = [w.clone().requires_grad_(True) for w in W]
+    rgrads = torch.autograd.grad(ref_loss(ref), ref, create_graph=True)
+    sum(g.square().sum() for g in rgrads).backward()
+    for i, (g, rg, w, r) in enumerate(zip(grads, rgrads, ws, ref)):
+        close(errs, f"create_graph: grad {i}", g, rg)
+        close(errs, f"create_graph: grad of grad {i}", w.grad, r.grad)
+    return errs
+
+
+def test_backward_fallbacks_partial_bucket_and_double_backward():
+    g = torch.Generator().manual_seed(9)
+    X = torch.randn(8, 4, generator=g, dtype=torch.float64).float()
+    W = [(torch.randn(4, 4, generator=g, dtype=torch.float64) * 0.5).float() for _ in range(4)]
+    assert_ok(run_ranks(2, _rank_backward_fallbacks, X, W))
