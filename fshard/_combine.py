@@ -68,6 +68,9 @@ __all__ = [
     "release",
     "AllGatherInto",
     "AllReduceInto",
+    "Early",
+    "Arrived",
+    "reset",
 ]
 
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -460,6 +463,11 @@ class AllReduceInto(torch.autograd.Function):
 # -- the backward's reduce-scatters, launched as their buckets' gradients complete ----------------
 
 _in_flight: deque = deque()  # `Early` reduce-scatters launched and not yet waited for (one process)
+
+
+def reset() -> None:
+    """Forget the backward reduce-scatters an earlier job left in flight (a pool rank between jobs)."""
+    _in_flight.clear()
 
 
 class Early:
