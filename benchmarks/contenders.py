@@ -442,6 +442,7 @@ for _bench, _native in GPT_NATIVE.items():
     else:  # FSDP without fs.fsdp_scan: one all_gather per leaf (combined by fshard, or not), or one of the tree
         CONTENDERS[_bench]["fshard_leaf"] = _F + "gpt_fshard_leaf"
         CONTENDERS[_bench]["fshard_leaf_nocombine"] = _F + "gpt_fshard_leaf_nocombine"
+        CONTENDERS[_bench]["fshard_leaf_sync"] = _F + "gpt_fshard_leaf_sync"
         CONTENDERS[_bench]["fshard_tree"] = _F + "gpt_fshard_tree"
 
 

@@ -375,25 +375,34 @@ def gpt_fshard_leaf(ctx: Ctx) -> Prepared:
     return _gpt_gathered(ctx, _gather_per_leaf)
 
 
-def gpt_fshard_leaf_nocombine(ctx: Ctx) -> Prepared:
-    """The same with combining off (``FSHARD_COMBINE=0``): one all_gather and one reduce_scatter per leaf."""
+def _with_env(prepared: Prepared, name: str, value: str) -> Prepared:
+    """``prepared`` whose step runs with the environment variable ``name`` set to ``value``."""
     import os
 
-    prepared = _gpt_gathered(ctx, _gather_per_leaf)
     inner = prepared.step
 
     def step():
-        old = os.environ.get("FSHARD_COMBINE")
-        os.environ["FSHARD_COMBINE"] = "0"
+        old = os.environ.get(name)
+        os.environ[name] = value
         try:
             return inner()
         finally:
             if old is None:
-                del os.environ["FSHARD_COMBINE"]
+                del os.environ[name]
             else:
-                os.environ["FSHARD_COMBINE"] = old
+                os.environ[name] = old
 
     return Prepared(step, prepared.values, prepared.state)
+
+
+def gpt_fshard_leaf_nocombine(ctx: Ctx) -> Prepared:
+    """The same with combining off (``FSHARD_COMBINE=0``): one all_gather and one reduce_scatter per leaf."""
+    return _with_env(_gpt_gathered(ctx, _gather_per_leaf), "FSHARD_COMBINE", "0")
+
+
+def gpt_fshard_leaf_sync(ctx: Ctx) -> Prepared:
+    """Combined without overlap (``FSHARD_COMBINE_AHEAD=0``): a flush runs its buckets and waits."""
+    return _with_env(_gpt_gathered(ctx, _gather_per_leaf), "FSHARD_COMBINE_AHEAD", "0")
 
 
 def gpt_fshard_tree(ctx: Ctx) -> Prepared:

@@ -433,7 +433,8 @@ def all_gather(
     Calls made one after the other before any result is used (one leaf at a time) run
     combined, as one all-gather per dtype and up to ``FSHARD_COMBINE_MB`` (4 MB) of results,
     and their gradients as one reduce-scatter each (``FSHARD_COMBINE=0`` turns that off; see
-    the debugging page).
+    the debugging page). The combined all-gathers run asynchronously: a result's first use waits
+    for its own, while the next ones are on the wire (``FSHARD_COMBINE_AHEAD``, 2 at a time).
 
     Examples:
         >>> w = fs.all_gather(w_shard, "dp", dim=0, tiled=True)   # FSDP parameter

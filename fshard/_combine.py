@@ -9,8 +9,8 @@ and grad mode (dtypes are never packed together). Each bucket runs as one coales
 node for all of them, so the backward is one coalesced reduce-scatter (all_gather) or no
 communication at all (psum).
 
-The queue is flushed, every bucket in the order of its key's first call (the same on every rank,
-whatever order the results are later used in):
+The queue is flushed (its buckets handed, in the order of their keys' first calls, to the trace's
+`Flight`):
 
 - at the first torch op run inside ``f`` after the calls (`VmaMode` checks ``trace.queue``),
 - when any fshard collective that is not queued is called (`_vma.current`), or a queued one whose
@@ -20,6 +20,18 @@ whatever order the results are later used in):
   bucket's transient buffers (its packed operands and received blocks in the forward, its
   gradients, packed, in the backward) are a few times its size, so small buckets keep the peak
   memory near that of one call at a time (one bucket of a whole model took 1.5x FSDP2's peak).
+
+A flush does not wait: the `Flight` launches the buckets asynchronously in queue order (the same
+on every rank, whatever order the results are later used in), at most ``FSHARD_COMBINE_AHEAD``
+(default 2; 0 runs a flush's buckets at once and waits) in flight, and the first use of a result (a torch op taking it) waits for its own
+bucket only, which launches the next: the per-leaf FSDP form computes with one layer's
+parameters while the next ones arrive. Any other collective, and the trace's exit, wait for all.
+In the backward, a combined all_gather's node runs last (autograd runs the nodes recorded later
+first, and it was recorded at the launch), so its reduce-scatter would wait for the whole
+backward, holding every gradient: each result instead gets an `Arrived` node when it is filled,
+which hands its gradient to the bucket's `Early` as soon as it is complete; the bucket's
+reduce-scatter is launched when it has them all (at most ``FSHARD_COMBINE_AHEAD`` in flight), and
+the combined node takes its result.
 
 ``FSHARD_COMBINE=0`` in the environment turns combining off (each call communicates at once,
 as before), for debugging. Calls are never combined under torch.func transforms or forward-mode
@@ -31,13 +43,14 @@ in a call with uneven blocks, or across dtypes.
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import torch
 
 from . import _comm, _vma
 from . import _watchdog as _watch
 from ._comm import untracked
-from ._primitives import Pvary, ReduceScatterCoalesced, _untracked, apply, local_block
+from ._primitives import Pvary, ReduceScatterCoalesced, _owned, _untracked, apply, local_block, split_blocks
 
 __all__ = [
     "enabled",
@@ -46,13 +59,18 @@ __all__ = [
     "psum_later",
     "all_gather_later",
     "empty",
+    "ahead",
     "Queue",
     "Bucket",
+    "Flight",
     "push",
     "hold",
     "release",
     "AllGatherInto",
     "AllReduceInto",
+    "Early",
+    "Arrived",
+    "reset",
 ]
 
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -68,6 +86,12 @@ def enabled() -> bool:
 def cap_bytes() -> int:
     """The most bytes of results one combined collective gathers (``FSHARD_COMBINE_MB``, default 4)."""
     return int(float(os.environ.get("FSHARD_COMBINE_MB", "4")) * 2**20)
+
+
+def ahead() -> int:
+    """How many combined collectives of the flushed queues are in flight at once, launched and not
+    yet waited for (``FSHARD_COMBINE_AHEAD``, default 2; 0: a flush runs them all and waits)."""
+    return max(0, int(os.environ.get("FSHARD_COMBINE_AHEAD", "2")))
 
 
 def deferrable(tr) -> bool:
@@ -147,7 +171,7 @@ def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
 class Bucket:
     """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
 
-    __slots__ = ("key", "g", "items", "nbytes", "site")
+    __slots__ = ("key", "g", "items", "nbytes", "site", "launched", "fill", "ids", "outs", "early")
 
     def __init__(self, key, g, site):
         self.key = key
@@ -155,23 +179,46 @@ class Bucket:
         self.items: list = []  # (operand, result, dim) per call
         self.nbytes = 0
         self.site = site  # the first call's site: what the watchdog's records and reports name
+        self.launched = False
+        self.fill = None  # once launched: waits for the collective and fills the results
+        self.ids: list = []  # the ids of the results (while in a `Flight`)
+        self.outs: list | None = None  # the results, launched and not yet filled
+        self.early: Early | None = None  # their gradients' reduce-scatter, run early (all_gather)
 
-    def run(self) -> None:
-        """Run the bucket's calls as one coalesced collective, filling their results."""
+    def launch(self) -> None:
+        """Start the bucket's calls as one coalesced collective (recording its autograd node);
+        `wait` fills their results."""
         kind, _, tiled, invariant, _, _, grad = self.key
         xs = [x for x, _, _ in self.items]
         outs = [y for _, y, _ in self.items]
+        dims = tuple(d for _, _, d in self.items)
+        self.launched = True
+        self.outs = outs
+        if kind == "all_gather" and grad and not invariant and ahead():
+            self.early = Early(self.g, dims, tiled, len(xs))
+        self.items = []  # the operands are packed: only the fill holds the results
         _watch.S.site = self.site
         try:
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), untracked():  # the results are not used yet
                 if kind == "all_gather":
-                    dims = tuple(d for _, _, d in self.items)
-                    apply(AllGatherInto, self.g, dims, tiled, invariant, len(xs), *xs, *outs)
+                    apply(AllGatherInto, self.g, dims, tiled, invariant, self, len(xs), *xs, *outs)
                 else:
-                    apply(AllReduceInto, self.g, len(xs), *xs, *outs)
+                    apply(AllReduceInto, self.g, self, len(xs), *xs, *outs)
         finally:
             _watch.S.site = None
         _comm.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
+
+    def wait(self) -> None:
+        """Wait for the launched collective and fill the results (once)."""
+        fill, self.fill = self.fill, None
+        if fill is not None:
+            fill()
+            outs, early = self.outs, self.early
+            self.outs = self.early = None
+            if early is not None and outs and outs[0].requires_grad:
+                with torch.enable_grad(), untracked():  # recorded now: see `Arrived`
+                    for i, out in enumerate(outs):
+                        apply(Arrived, early, i, out)
 
 
 class Queue:
@@ -186,11 +233,95 @@ class Queue:
         self.outs: set = set()  # ids of the results (an operand that is one flushes first)
 
     def flush(self) -> None:
-        """Run every bucket, in order."""
-        if self.tr.queue is self:
-            self.tr.queue = None
-        for b in self.buckets.values():
-            b.run()
+        """Hand every bucket, in order, to the trace's `Flight` (which launches the first ones)."""
+        tr = self.tr
+        if tr.queue is self:
+            tr.queue = None
+        if tr.pending is None:
+            tr.pending = Flight(tr)
+        tr.pending.add(self.buckets.values())
+
+
+class Flight:
+    """The buckets of a trace's flushed queues whose results are not filled yet, in queue order.
+
+    They are launched in that order (the same on every rank, whatever order the results are used
+    in), at most `ahead` at a time: waiting for one launches the next. The first use of a result
+    (a torch op that takes it, `VmaMode`) waits for its bucket only, launching first the buckets
+    queued before it; any other collective (`_vma.current`) and the trace's exit wait for all.
+    """
+
+    __slots__ = ("tr", "todo", "live", "owner")
+
+    def __init__(self, tr):
+        self.tr = tr
+        self.todo: deque = deque()  # queued, not launched
+        self.live: deque = deque()  # launched, not waited for
+        self.owner: dict = {}  # id(result) -> its bucket (which holds the result until filled)
+
+    def add(self, buckets) -> None:
+        """Take flushed buckets, launching up to `ahead` of those not yet waited for."""
+        owner = self.owner
+        for b in buckets:
+            b.ids = [id(out) for _, out, _ in b.items]
+            for k in b.ids:
+                owner[k] = b
+            self.todo.append(b)
+        limit = ahead()
+        if limit:
+            self._launch(limit)
+        else:  # no overlap: every result filled now (for debugging and comparison)
+            self.drain()
+
+    def _launch(self, limit: int) -> None:
+        while self.todo and len(self.live) < limit:
+            b = self.todo.popleft()
+            self.live.append(b)
+            b.launch()
+
+    def wait(self, b: Bucket) -> None:
+        """Fill ``b``'s results: launch the buckets up to it, wait for it, launch the next."""
+        while not b.launched:
+            nxt = self.todo.popleft()
+            self.live.append(nxt)
+            nxt.launch()
+        self.live.remove(b)
+        for k in b.ids:  # first: the fill's own ops must not find them
+            del self.owner[k]
+        b.wait()
+        if not self.owner:
+            if self.tr.pending is self:
+                self.tr.pending = None
+            return
+        self._launch(max(1, ahead()))
+
+    def use(self, args, kwargs) -> None:
+        """A torch op is about to run on ``args`` and ``kwargs``: fill the results among them."""
+        owner = self.owner
+        for seq in (args, kwargs.values()) if kwargs else (args,):
+            for a in seq:
+                if isinstance(a, torch.Tensor):
+                    b = owner.get(id(a))
+                    if b is not None:
+                        self.wait(b)
+                elif isinstance(a, (list, tuple)):
+                    for t in a:
+                        if isinstance(t, torch.Tensor):
+                            b = owner.get(id(t))
+                            if b is not None:
+                                self.wait(b)
+
+    def drain(self) -> None:
+        """Launch every bucket left and fill every result, in queue order."""
+        if self.tr.pending is self:
+            self.tr.pending = None
+        while self.todo:
+            b = self.todo.popleft()
+            self.live.append(b)
+            b.launch()
+        while self.live:
+            self.live.popleft().wait()
+        self.owner.clear()
 
 
 def hold(tr):
@@ -216,6 +347,9 @@ def push(tr, key, g, x: torch.Tensor, out: torch.Tensor, dim: int, nbytes: int) 
         if id(x) in q.outs or (b is not None and b.nbytes + nbytes > cap_bytes()):
             q.flush()
             q = None
+    p = tr.pending
+    if p is not None and id(x) in p.owner:  # the operand is a result in flight: filled first
+        p.wait(p.owner[id(x)])
     if q is None:
         q = tr.queue = Queue(tr)
     b = q.buckets.get(key)
@@ -241,66 +375,189 @@ def _pack(xs) -> torch.Tensor:
 
 class AllGatherInto(torch.autograd.Function):
     """all_gather of n tensors with one all-gather, written into n given results (marked dirty,
-    so each result gets this node as its history). The transpose is one coalesced reduce-scatter,
+    so each result gets this node as its history). The forward only starts the collective;
+    ``bucket.fill`` waits for it and fills the results. The transpose is one coalesced reduce-scatter,
     or each tensor's local slice for an ``invariant`` result, as for `AllGatherCoalesced`."""
 
     @staticmethod
     @_untracked
-    def forward(g, dims, tiled, invariant, n, *args):
+    def forward(g, dims, tiled, invariant, bucket, n, *args):
         xs, outs = args[:n], args[n:]
-        blocks = _comm.all_gather_blocks(_pack(xs), g)  # [N, total]; row i from index i
-        size = blocks.shape[0]
-        offset = 0
-        for x, d, out in zip(xs, dims, outs):
-            k = x.numel()
-            src = blocks[:, offset : offset + k].view(size, *x.shape)
-            offset += k
-            if tiled:
-                dst = out.view(*x.shape[:d], size, x.shape[d], *x.shape[d + 1 :]).movedim(d, 0)
-            else:
-                dst = out.movedim(d, 0)
-            dst.copy_(src)
+        shapes = [x.shape for x in xs]
+        handle = _comm.all_gather_start(_pack(xs), g)  # [N, total]; row i from index i
+
+        def fill():
+            blocks = handle.wait()
+            size = blocks.shape[0]
+            offset = 0
+            with torch.no_grad(), untracked():
+                for shape, d, out in zip(shapes, dims, outs):
+                    k = shape.numel()
+                    src = blocks[:, offset : offset + k].view(size, *shape)
+                    offset += k
+                    if tiled:
+                        dst = out.view(*shape[:d], size, shape[d], *shape[d + 1 :]).movedim(d, 0)
+                    else:
+                        dst = out.movedim(d, 0)
+                    dst.copy_(src)
+
+        bucket.fill = fill
         return tuple(outs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.args = inputs[:5]
-        ctx.mark_dirty(*inputs[5 + inputs[4] :])
+        ctx.args = (*inputs[:4], inputs[5])
+        ctx.early = inputs[4].early
+        ctx.mark_dirty(*inputs[6 + inputs[5] :])
 
     @staticmethod
     @_untracked
     def backward(ctx, *cts):
         g, dims, tiled, invariant, n = ctx.args
+        early = ctx.early
         if invariant:
             grads = tuple(local_block(ct, g, d, tiled) for ct, d in zip(cts, dims))
+        elif early is not None and early.started():
+            grads = early.result()  # reduce-scattered during the backward (`Arrived`)
         else:
+            if early is not None:  # some results got no gradient: the ones that did were kept
+                cts = early.merge(cts)
             grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
             _comm.record_combined("reduce_scatter", g, n)
-        return (None, None, None, None, None, *grads, *([None] * n))
+        return (None, None, None, None, None, None, *grads, *([None] * n))
 
 
 class AllReduceInto(torch.autograd.Function):
-    """psum of n tensors with one all-reduce, written into n given results (marked dirty); the
-    transpose is pvary of each (no communication)."""
+    """psum of n tensors with one all-reduce, written into n given results (marked dirty) by
+    ``bucket.fill``, the forward only starting it; the transpose is pvary of each (no communication)."""
 
     @staticmethod
     @_untracked
-    def forward(g, n, *args):
+    def forward(g, bucket, n, *args):
         xs, outs = args[:n], args[n:]
-        buf = _pack(xs)
-        _comm.all_reduce_(buf, g)
-        for p, out in zip(buf.split([x.numel() for x in xs]), outs):
-            out.copy_(p.view(out.shape))
+        sizes = [x.numel() for x in xs]
+        handle = _comm.all_reduce_start_(_pack(xs), g)
+
+        def fill():
+            buf = handle.wait()
+            with torch.no_grad(), untracked():
+                for p, out in zip(buf.split(sizes), outs):
+                    out.copy_(p.view(out.shape))
+
+        bucket.fill = fill
         return tuple(outs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.g, n = inputs[0], inputs[1]
-        ctx.mark_dirty(*inputs[2 + n :])
+        ctx.g, n = inputs[0], inputs[2]
+        ctx.mark_dirty(*inputs[3 + n :])
         ctx.n = n
 
     @staticmethod
     def backward(ctx, *cts):
         if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
             cts = tuple(apply(Pvary, ct, ctx.g) for ct in cts)
-        return (None, None, *cts, *([None] * ctx.n))
+        return (None, None, None, *cts, *([None] * ctx.n))
+
+
+# -- the backward's reduce-scatters, launched as their buckets' gradients complete ----------------
+
+_in_flight: deque = deque()  # `Early` reduce-scatters launched and not yet waited for (one process)
+
+
+def reset() -> None:
+    """Forget the backward reduce-scatters an earlier job left in flight (a pool rank between jobs)."""
+    _in_flight.clear()
+
+
+class Early:
+    """The reduce-scatter of one combined all_gather's gradients, launched as soon as they are all
+    there (`Arrived`), long before autograd reaches the combined node (recorded at the launch, so
+    run last); that node waits for it. At most `ahead` of them are in flight: launching one waits
+    for the oldest (whose reduced blocks, 1/N of its gradients, are kept until its node runs)."""
+
+    __slots__ = ("g", "dims", "tiled", "cts", "have", "handle", "done")
+
+    def __init__(self, g, dims, tiled, n):
+        self.g, self.dims, self.tiled = g, dims, tiled
+        self.cts: list = [None] * n
+        self.have = 0
+        self.handle = None
+        self.done = None
+
+    def arrive(self, i: int, ct: torch.Tensor) -> None:
+        """Result ``i``'s gradient is complete: keep it; with all of them, launch the reduce-scatter."""
+        if self.cts[i] is None:
+            self.have += 1
+        self.cts[i] = ct
+        if self.have == len(self.cts):
+            cts, self.cts, self.have = self.cts, [None] * len(self.cts), 0
+            with untracked():
+                parts = [split_blocks(x, self.g.size, d, self.tiled) for x, d in zip(cts, self.dims)]
+                del cts
+                buf = torch.cat([p.reshape(self.g.size, -1) for p in parts], dim=1)  # [N, total]
+                shapes = [p.shape[1:] for p in parts]
+                del parts
+                handle = _comm.reduce_scatter_start(buf, self.g)
+            _comm.record_combined("reduce_scatter", self.g, len(shapes))
+            del buf
+
+            def finish():
+                mine = handle.wait()
+                return tuple(
+                    _owned(m.view(s)) for m, s in zip(mine.split([s.numel() for s in shapes]), shapes)
+                )
+
+            self.handle = finish
+            _in_flight.append(self)
+            while len(_in_flight) > max(1, ahead()):
+                _in_flight.popleft().wait()
+
+    def wait(self) -> None:
+        """Wait for the launched reduce-scatter, keeping this rank's blocks."""
+        finish, self.handle = self.handle, None
+        if finish is not None:
+            with untracked():
+                self.done = finish()
+
+    def started(self) -> bool:
+        return self.handle is not None or self.done is not None
+
+    def result(self) -> tuple:
+        """The reduced gradients (waiting if needed); ready for the next backward."""
+        if self.handle is not None:
+            _in_flight.remove(self)
+            self.wait()
+        done, self.done = self.done, None
+        return done  # type: ignore[return-value]
+
+    def merge(self, cts) -> tuple:
+        """The gradients the combined node got, with those `Arrived` kept in their place."""
+        kept, self.cts, self.have = self.cts, [None] * len(self.cts), 0
+        return tuple(ct if k is None else k for ct, k in zip(cts, kept))
+
+
+class Arrived(torch.autograd.Function):
+    """Identity, in place, on a combined all_gather's result, recorded when the result is filled
+    (just before its first use). Autograd runs the nodes recorded later first, so this one runs as
+    soon as the result's gradient is complete, while the combined node, recorded when the bucket
+    was launched, runs at the end of the backward: this hands the gradient to the bucket's `Early`
+    and passes on zeros (a broadcast scalar: no memory). Under double backward (create_graph) it
+    passes the gradient on, for the combined node's differentiable reduce-scatter."""
+
+    @staticmethod
+    def forward(early, i, x):
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.early, ctx.i = inputs[0], inputs[1]
+        ctx.mark_dirty(inputs[2])
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        if torch.is_grad_enabled():
+            return None, None, ct
+        ctx.early.arrive(ctx.i, ct)
+        return None, None, ct.new_zeros(()).expand(ct.shape)

@@ -455,6 +455,35 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
                 _tag_check(tags, rec, g)
 
 
+def all_reduce_start_(t: torch.Tensor, g: AxisGroup) -> Handle:
+    """Start the sum over the group of the flat buffer ``t`` (owned by the caller, reduced in place
+    unless it carries tags); the handle's ``wait()`` returns the sum. Eager only (the combined
+    collectives of ``_combine``, never queued while torch.compile traces)."""
+    with untracked():
+        if g.size == 1:
+            return Handle((), lambda: t)
+        with _issue("all_reduce", g, t):
+            rec, tags = _reduce_tags(t, g, "sum")
+            n = t.numel()
+            if tags is not None:  # the data and its tags in one buffer, as `all_reduce` sends them
+                buf = torch.empty(n + len(tags), dtype=t.dtype, device=t.device)
+                buf[:n].copy_(t)
+                buf[n:].copy_(torch.tensor(tags, dtype=t.dtype))
+                t = buf
+            with _below_autograd():
+                out = _ALL_REDUCE_(t, "sum", _name(g))
+
+        def finish():
+            with untracked():
+                with _below_autograd():
+                    _watch.wait(_WAIT, rec, out)
+                if tags is not None:
+                    _watch.check_reduced_tags(t[n:].tolist(), tags, g.size, "sum", rec, g, t.device)
+                return t[:n]
+
+        return Handle((), finish)
+
+
 def gather_blocks(t: torch.Tensor, g: AxisGroup, dst: int) -> torch.Tensor | None:
     """Gather ``t`` from every index along the axes onto index ``dst`` (one ``dist.gather``).
 

@@ -62,6 +62,7 @@ class Trace:
         "uneven",
         "ragged",
         "queue",
+        "pending",
     )
 
     def __init__(self, mesh: Mesh, where: str):
@@ -80,6 +81,8 @@ class Trace:
         self.ragged = False
         # collectives issued and not yet run (`_combine.Queue`): flushed by the next torch op
         self.queue = None
+        # flushed collectives whose results are not filled yet (`_combine.Flight`)
+        self.pending = None
 
     def __enter__(self) -> Trace:
         _stack.append(self)
@@ -95,9 +98,13 @@ class Trace:
         # backward issued other collectives than its peers'.
         q, self.queue = self.queue, None  # a failed call leaves no queued work behind
         try:
-            if q is not None and exc[0] is None:
-                q.flush()  # f returned: the results it queued are filled
+            if exc[0] is None:
+                if q is not None:
+                    q.flush()
+                if self.pending is not None:
+                    self.pending.drain()  # f returned: the results it queued are filled
         finally:
+            self.pending = None
             mode, self._mode = self._mode, None
             try:
                 if mode is not None:
@@ -118,6 +125,8 @@ def current(where: str) -> Trace:
     tr = _stack[-1]
     if tr.queue is not None:  # another collective: the queued ones run first, in issue order
         tr.queue.flush()
+    if tr.pending is not None:
+        tr.pending.drain()
     return tr
 
 
@@ -132,7 +141,7 @@ def reset() -> int:
     ended = 0
     while _stack:
         tr = _stack[-1]
-        tr.queue = None  # never run: the job that queued it has ended
+        tr.queue = tr.pending = None  # never run: the job that queued it has ended
         tr.__exit__(None, None, None)
         ended += 1
     modes = torch.overrides._get_current_function_mode_stack()
@@ -306,6 +315,8 @@ class VmaMode(TorchFunctionMode):
         tr = self.tr
         if tr.queue is not None:  # results of queued collectives are about to be used (_combine)
             tr.queue.flush()
+        if tr.pending is not None:  # wait for the collectives of the results among the operands
+            tr.pending.use(args, kwargs)
         tid = tr.id
         if _compiling():  # a constant of the trace (Dynamo would guard on the cache's keys)
             kind = _classify(func)
