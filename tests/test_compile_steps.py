@@ -5,7 +5,9 @@ counting ``aot_eager``-style backend (`tests.helpers.compile_counter`) and run f
 steps on new batches, side by side with the same step called eagerly and with the same training
 by plain torch (``torch.optim``, ``torch.nn.utils.clip_grad_norm_``) on the global batch in one
 process. ``fullgraph=True`` makes any graph break an error; one graph after all the steps means
-no recompilation. The collectives in the compiled graphs are asserted by name.
+no recompilation. The collectives in the compiled graphs are asserted by name. A changing batch
+size costs one recompile (Dynamo's automatic dynamic shapes), none when the batch dim is marked
+dynamic, and a size the mesh does not divide is refused.
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ def _step_cases():
     states = (params, sgd.init(params), params, sgd.init(params))
     states = _train(errs, "dp sgd", step, compiled, states, ref, [(i, 8) for i in range(STEPS)])
     out["dp sgd"] = dict(stats)
+    # new batch sizes: one recompile, at the first, after which Dynamo's automatic dynamic
+    # shapes treat the batch dim as symbolic (the same graph for every even size)
+    sizes = [(STEPS + i, b) for i, b in enumerate([12, 16, 20, 24, 6])]
+    states = _train(errs, "dp sgd, new batch sizes", step, compiled, states, ref, sizes)
+    out["dp sgd"]["graphs after new sizes"] = stats["graphs"]
+    # a size the mesh does not divide: shard_map refuses it, as for any uneven input
+    out["uneven batch"] = _raised(compiled, *states[2:], *_batch(0, 9))
 
     # 2. FSDP: Sharded parameters, fs.value_and_grad of a shard_map'd loss that gathers them (one
     # coalesced all-gather), clipping and AdamW on the Sharded gradients outside shard_map
@@ -164,7 +173,10 @@ def _step_cases():
     eager_params = {k: v.clone().requires_grad_() for k, v in _init().items()}
     params = {k: v.clone().requires_grad_() for k, v in _init().items()}
     for i in range(STEPS):
-        x, y = _batch(i)
+        # a new batch size at each step, marked dynamic: one graph for all of them
+        x, y = _batch(i, 8 + 4 * (i % 5))
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(y, 0)
         el, en, _, _ = backward_step(eager_params, None, x, y)
         cl, cn, _, _ = compiled(params, None, x, y)
         # zeroed outside the compiled step: torch 2.13 accumulates the next compiled backward
@@ -181,6 +193,18 @@ def _step_cases():
     return errs, out
 
 
+def _raised(fn, *args) -> str:
+    """fshard's error from ``fn(*args)`` as ``type: text`` (Dynamo wraps an error raised at trace
+    time in its ``InternalTorchDynamoError``, and appends where it was traced)."""
+    try:
+        fn(*args)
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        head = "InternalTorchDynamoError: "
+        return text[len(head) :].split("\n\nfrom user code:")[0] if text.startswith(head) else text
+    return "nothing raised"
+
+
 def test_compiled_training_steps_match_eager_and_one_process_in_one_graph():
     got = run_ranks(N, _rank_steps, timeout=115)
     assert_ok([errs for errs, _ in got])
@@ -188,6 +212,14 @@ def test_compiled_training_steps_match_eager_and_one_process_in_one_graph():
         for name in ("dp sgd", "fsdp adamw", "backward clip_grad_norm_"):
             stats = out[name]
             assert stats["graphs"] == 1, (name, stats)  # no graph break, no recompile over the steps
+        # new batch sizes: one recompile in all (with mark_dynamic, none: "backward" above)
+        assert out["dp sgd"]["graphs after new sizes"] == 2
+        assert out["uneven batch"] == (
+            "TracingError: fs.shard_map(_step_cases.<locals>.dp_step) with uneven blocks (a dim not "
+            "divisible by its mesh axes) is not supported inside torch.compile yet (fshard refuses "
+            "rather than compiling something that would mean another thing than the eager call); pad "
+            "the inputs to a multiple of the mesh axes' sizes, or call it eagerly"
+        )
         # the loss's pmean, one gradient all-reduce per parameter (no buckets in a compiled
         # backward) and the global norm's all-reduce
         assert sorted(out["dp sgd"]["ops"]) == ["all_reduce"] * 4
