@@ -232,3 +232,108 @@ def test_compiled_training_steps_match_eager_and_one_process_in_one_graph():
             "reduce_scatter_tensor",
         ]
         assert sorted(out["backward clip_grad_norm_"]["ops"]) == ["all_reduce"] * 3  # pmean, 2 grads
+
+
+# == constructs inside a compiled step: compiled with eager's values, or refused by name ========
+
+
+def _async_loss(p, x, y):
+    import fshard as fs
+
+    pending = fs.all_gather(p["w1"], "dp", dim=0, tiled=True, async_op=True)  # starts the gather
+    h = x * 2  # computed meanwhile
+    return fs.pmean(mse(torch.tanh(h @ pending.wait()) @ p["w2"], y), "dp")
+
+
+def _remat_loss(p, x, y):
+    import fshard as fs
+
+    layer = fs.remat(_layer)
+    return fs.pmean(mse(layer(p["w1"], x) @ p["w2"], y), "dp")
+
+
+def _layer(w, h):
+    return torch.tanh(h @ w)
+
+
+def _switch_loss(p, x, y):
+    import fshard as fs
+
+    h = fs.switch(fs.axis_index("dp"), [_layer, _layer], p["w1"], x)
+    return fs.pmean(mse(h @ p["w2"], y), "dp")
+
+
+def _scan_loss(p, x, y):
+    import fshard as fs
+
+    return fs.pmean(mse(fs.fsdp_scan(_layer, [p["w1"]], x, "dp") @ p["w2"], y), "dp")
+
+
+def _rank_constructs():
+    import fshard as fs
+
+    torch._dynamo.reset()
+    errs: list[str] = []
+    out: dict = {}
+    dp = fs.Mesh(dp=N)
+    x, y = _batch(0)
+    # async_op=True: the functional collective and its wait are traced as they are
+    specs = {"w1": "(dp d) h", "w2": "..."}
+    loss_fn = fs.shard_map(_async_loss, mesh=dp, in_specs=(specs, "(dp b) d", "(dp b) o"), out_specs="...")
+    params = fs.shard(_init(), dp, {"w1": "(dp d) h", "w2": "h o"})
+    ref = {k: full(v).detach().clone().requires_grad_() for k, v in params.items()}
+    want = mse(_mlp(ref, 2 * x), y)
+    want_grads = torch.autograd.grad(want, list(ref.values()))
+    vg = fs.value_and_grad(loss_fn)
+    backend, stats = compile_counter()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(vg, backend=backend, fullgraph=True)
+        for _ in range(3):
+            loss, grads = compiled(params, x, y)
+    eager_loss, _ = vg(params, x, y)
+    close(errs, "async_op: compiled loss vs one process", loss, want)
+    close(errs, "async_op: compiled loss vs eager", loss, eager_loss)
+    for (k, g), w in zip(grads.items(), want_grads):
+        close(errs, f"async_op: compiled grad {k} vs one process", full(g), w)
+    out["async_op"] = dict(stats)
+    # refused, naming the construct
+    plain = _init()
+    for name, body in (("remat", _remat_loss), ("switch", _switch_loss), ("fsdp_scan", _scan_loss)):
+        in_specs = ({"w1": "(dp d) h", "w2": "..."} if name == "fsdp_scan" else "...", "(dp b) d", "(dp b) o")
+        f = fs.shard_map(body, mesh=dp, in_specs=in_specs, out_specs="...")
+        out[name] = _raised(torch.compile(f, backend="eager", fullgraph=True), plain, x, y)
+        eager = f(plain, x, y)  # eagerly: the same value as one process
+        close(errs, f"{name}: eager loss vs one process", eager, mse(_mlp(plain, x), y))
+    return errs, out
+
+
+def test_compiled_async_collectives_match_and_remat_switch_fsdp_scan_are_refused_by_name():
+    got = run_ranks(N, _rank_constructs, timeout=115)
+    assert_ok([errs for errs, _ in got])
+    for _, out in got:
+        assert out["async_op"]["graphs"] == 1
+        # the gather and its transpose (a reduce-scatter), the pmean, w2's gradient all-reduce
+        assert sorted(out["async_op"]["ops"]) == [
+            "all_gather_into_tensor",
+            "all_reduce",
+            "all_reduce",
+            "reduce_scatter_tensor",
+        ]
+        tail = (
+            " is not supported inside torch.compile yet (fshard refuses rather than compiling "
+            "something that would mean another thing than the eager call); "
+        )
+        assert out["remat"] == (
+            "TracingError: fs.remat(_layer)" + tail + "drop fs.remat from the compiled step "
+            "(torch.compile decides itself what the backward keeps or recomputes), or call the step eagerly"
+        )
+        assert out["switch"] == (
+            "TracingError: fs.switch on an index that varies over mesh axes"
+            + tail
+            + "call the step eagerly, or branch outside the compiled function"
+        )
+        assert out["fsdp_scan"] == (
+            "TracingError: fs.fsdp_scan" + tail + "gather the layers' parameters with fs.all_gather in "
+            "the compiled step (torch.compile decides itself what the backward keeps), or call the step "
+            "eagerly"
+        )
