@@ -7,11 +7,13 @@ by plain torch (``torch.optim``, ``torch.nn.utils.clip_grad_norm_``) on the glob
 process. ``fullgraph=True`` makes any graph break an error; one graph after all the steps means
 no recompilation. The collectives in the compiled graphs are asserted by name. A changing batch
 size costs one recompile (Dynamo's automatic dynamic shapes), none when the batch dim is marked
-dynamic, and a size the mesh does not divide is refused.
+dynamic, and a size the mesh does not divide is refused. One step is compiled with the inductor
+backend (C++ kernels built with gcc) and compared with eager.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import run_ranks
@@ -337,3 +339,40 @@ def test_compiled_async_collectives_match_and_remat_switch_fsdp_scan_are_refused
             "the compiled step (torch.compile decides itself what the backward keeps), or call the step "
             "eagerly"
         )
+
+
+# == the inductor backend ====================================================================
+
+
+def _rank_inductor():
+    import fshard as fs
+
+    torch._dynamo.reset()
+    errs: list[str] = []
+    dp = fs.Mesh(dp=N)
+    sgd = fs.optim.sgd(LR["sgd"], momentum=0.9)
+
+    def dp_step(params, state, x, y):
+        loss, grads = fs.value_and_grad(_local_loss)(params, x, y)
+        params, state = sgd.update(params, grads, state)
+        return loss, params, state
+
+    step = fs.shard_map(dp_step, mesh=dp, in_specs=("...", "...", "(dp b) d", "(dp b) o"), out_specs="...")
+    # one compile thread per rank: the two ranks already share the machine's cores
+    with torch._dynamo.config.patch(trace_autograd_ops=True), torch._inductor.config.patch(compile_threads=1):
+        compiled = torch.compile(step, backend="inductor", fullgraph=True)
+        ep = cp = _init()
+        es = cs = sgd.init(ep)
+        for i in range(3):
+            x, y = _batch(i)
+            el, ep, es = step(ep, es, x, y)
+            cl, cp, cs = compiled(cp, cs, x, y)
+            close(errs, f"inductor step {i}: loss vs eager", cl, el)
+            for k in ep:
+                close(errs, f"inductor step {i}: {k} vs eager", cp[k], ep[k])
+    return errs
+
+
+@pytest.mark.timeout(240)  # inductor compiles C++ kernels with gcc: slow on a loaded 2-core machine
+def test_compiled_step_with_inductor_matches_eager():
+    assert_ok(run_ranks(N, _rank_inductor, timeout=220))
