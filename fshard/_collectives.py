@@ -113,7 +113,7 @@ def _psum_number(x, axis, where: str):
             value = _comm.all_reduce(t, ga).item()
     inv = bits & ~v
     if inv:
-        value = value * math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv))
+        value = value * math.prod([tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)])
     return _scalars._varying_scalar(value, tr.id, v & ~bits), g.size
 
 
@@ -319,7 +319,7 @@ def psum(x: _T, axis) -> _T:
         y = _apply(AllReduce, x, tr.mesh.axis_group(tr.mesh.names_of(vary), "psum"))
     inv = bits & ~v
     if inv:
-        y = _mul_untracked(y, math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)))
+        y = _mul_untracked(y, math.prod([tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)]))
     return _vma.tag(y, tr, v & ~bits) if y is not x else y
 
 
@@ -339,7 +339,7 @@ def _psum_tree(tree, axis, where: str):
     for i, v in enumerate(vs):
         inv = bits & ~v
         if inv:
-            out[i] = _mul_untracked(out[i], math.prod(tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)))
+            out[i] = _mul_untracked(out[i], math.prod([tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)]))
         if out[i] is not leaves[i]:
             _vma.tag(out[i], tr, v & ~bits)
     return optree.tree_unflatten(treedef, out)

@@ -12,7 +12,16 @@ trace is kept out of the traced path here:
 - functorch's wrapper test (a C function Dynamo cannot inline): no tensor Dynamo traces is a
   functorch wrapper, so its polyfill answers False;
 - the pure, ``lru_cache``'d spec parsing and binding: traced through without the cache;
-- the trace ids (an ``itertools.count``): read at trace time as a constant (`next_id`).
+- the trace ids (an ``itertools.count``): read at trace time as a constant (`next_id`);
+- a dict whose leaves are all constants (a spec tree): torch's polyfill of optree's dict flatten
+  runs optree's own function on it (constant folding), whose metadata since optree 0.20 (a
+  ``DictMetaData``) Dynamo cannot hold; the folding is turned off so the polyfill is traced
+  (`_trace_dict_flatten`), and so is the unflatten's, whose metadata is then the polyfill's;
+- the tracking mode's rule for an op (``_vma._classify``) is decided at trace time as a
+  constant: a handler by its name, as Dynamo cannot guard a function taken as a constant;
+- an autograd Function applied to values that need no gradient (a transpose's collective, in a
+  backward): ``_primitives.apply`` runs its forward itself, as ``apply`` would (Dynamo passes a
+  ``*args`` forward a ctx in front of its arguments there).
 
 What is not yet supported under compile raises a `TracingError` naming the construct at trace
 time (`refuse`), never a silent fallback that changes results.
@@ -126,3 +135,26 @@ def _no_functorch_wrappers() -> None:
 
 
 _no_functorch_wrappers()
+
+
+def _trace_dict_flatten() -> None:
+    import optree
+
+    entry = optree.register_pytree_node.get(dict)
+    if entry is None or type(entry.flatten_func({})[1]) is list:  # optree < 0.20: folding is fine
+        return
+    try:
+        import torch._dynamo.polyfills.pytree  # noqa: F401  (registers torch's polyfills)
+        from torch._dynamo.variables import PolyfilledFunctionVariable
+
+        handlers = PolyfilledFunctionVariable._get_polyfill_handlers()
+    except (ImportError, AttributeError):  # another torch: nothing to turn off
+        return
+    # the polyfills' metadata is their own: folding either one runs optree's function on the other's
+    for fn in (entry.flatten_func, entry.unflatten_func):
+        handler = handlers.get(fn)
+        if handler is not None:
+            setattr(handler, "__torch_dynamo_can_constant_fold_through__", False)  # noqa: B010
+
+
+_trace_dict_flatten()

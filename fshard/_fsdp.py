@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from . import _comm, _vma
+from . import _comm, _compile, _vma
 from ._collectives import _by_dtype, _vary
 from ._comm import untracked
 from ._errors import ArgumentError
@@ -87,6 +87,11 @@ def fsdp_scan(
         ...     return fs.pmean(h.pow(2).mean(), "dp")
     """
     tr = _vma.current("fsdp_scan")
+    _compile.refuse(
+        "fs.fsdp_scan",
+        "gather the layers' parameters with fs.all_gather in the compiled step (torch.compile "
+        "decides itself what the backward keeps), or call the step eagerly",
+    )
     g = tr.mesh.axis_group(axis, "fsdp_scan")
     items, stacked = _layer_list(layers)
     if not items:

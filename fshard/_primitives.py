@@ -89,8 +89,15 @@ def apply(cls, *args):
     """``cls.apply(*args)`` without the ``inspect.signature`` call that ``Function.apply`` makes
     for setup_context-style Functions (about 13 us each); the full path under torch.func and
     while torch.compile traces (Dynamo traces ``Function.apply``, not the fast path)."""
-    if _functorch_active() or _compiling():
+    if _functorch_active():
         return cls.apply(*args)
+    if _compiling():
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return cls.apply(*args)
+        # nothing to differentiate (a transpose's own collective, in a backward): the forward, as
+        # apply runs it; Dynamo would pass a varargs forward a ctx in front of its arguments
+        with torch.no_grad():
+            return cls.forward(*args)
     return _FUNCTION_APPLY.__get__(None, cls)(*args)
 
 

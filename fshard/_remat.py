@@ -13,7 +13,7 @@ import functools
 
 import torch.utils.checkpoint
 
-from . import _vma
+from . import _compile, _vma
 from ._primitives import _functorch_active
 
 __all__ = ["remat"]
@@ -37,6 +37,11 @@ def remat(fn):
 
     @functools.wraps(fn)
     def inner(*args, **kwargs):
+        _compile.refuse(
+            f"fs.remat({getattr(fn, '__name__', 'fn')})",
+            "drop fs.remat from the compiled step (torch.compile decides itself what the backward "
+            "keeps or recomputes), or call the step eagerly",
+        )
         if _functorch_active():
             # under torch.func transforms: computed once and kept (torch.func.grad, vjp, jacrev and
             # hessian do not support checkpoint's saved tensor hooks); the values are the same

@@ -259,7 +259,8 @@ class _ShardMapped:
         versions = [] if compiling else [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
         tr.uneven = uneven
-        tr.bucket_mb = self._bucket_mb if self._tracked else 0.0
+        # (compiled: no buckets, also for fs.value_and_grad inside f; one all-reduce per input)
+        tr.bucket_mb = self._bucket_mb if self._tracked and not compiling else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
         if self._compute_dtype is not None or (
             self._bucket_mb

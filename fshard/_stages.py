@@ -21,7 +21,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _debug, _scalars, _vma, _watchdog
+from . import _comm, _compile, _debug, _scalars, _vma, _watchdog
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError, SpecError, TracingError
 from ._mesh import Mesh
@@ -461,6 +461,10 @@ def switch(index, branches, *operands):
         )
     if not bits:  # the same branch on every rank
         return branches[i](*operands)
+    _compile.refuse(
+        "fs.switch on an index that varies over mesh axes",
+        "call the step eagerly, or branch outside the compiled function",
+    )
     flat, treedef = optree.tree_flatten(operands)
     # What the outputs vary over, the same on every rank whichever branch it runs (as JAX joins the
     # branches' types): the index's axes and every axis an operand varies over.

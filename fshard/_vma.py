@@ -539,34 +539,41 @@ _INPLACE_DUNDERS = frozenset(
 )
 
 
-@torch._dynamo.assume_constant_result  # under torch.compile: decided at trace time, as a constant
 def _classify(func):
     """How ``VmaMode`` treats ``func``: a handler, or the plain or in-place rule (cached per func)."""
+    kind = _kind_of(func)
+    return kind if kind is _PLAIN or kind is _INPLACE else _HANDLERS[kind]
+
+
+@torch._dynamo.assume_constant_result  # under torch.compile: decided at trace time, as a constant
+def _kind_of(func):
+    """`_classify`'s answer as a constant Dynamo can hold: the plain or in-place rule, or the name
+    of a handler in `_HANDLERS` (a function taken as a trace-time constant could not be guarded)."""
     special = {
-        torch.autograd.grad: _autograd_grad,
-        _Tensor.__int__: _refuse_varying,
-        _Tensor.__index__: _refuse_varying,
-        _Tensor.__float__: _refuse_varying,
-        _Tensor.item: _to_python,
-        _Tensor.tolist: _to_python,
-        _Tensor.__bool__: _refuse_varying,
-        _Tensor.numpy: _refuse_varying,
-        _Tensor.__iter__: _iterate,
-        _Tensor.shape.__get__: _shape,  # type: ignore[attr-defined]
-        _Tensor.size: _shape,
-        _Tensor.numel: _shape,
-        _Tensor.nelement: _shape,
-        _Tensor.__len__: _length,
+        torch.autograd.grad: "_autograd_grad",
+        _Tensor.__int__: "_refuse_varying",
+        _Tensor.__index__: "_refuse_varying",
+        _Tensor.__float__: "_refuse_varying",
+        _Tensor.item: "_to_python",
+        _Tensor.tolist: "_to_python",
+        _Tensor.__bool__: "_refuse_varying",
+        _Tensor.numpy: "_refuse_varying",
+        _Tensor.__iter__: "_iterate",
+        _Tensor.shape.__get__: "_shape",  # type: ignore[attr-defined]
+        _Tensor.size: "_shape",
+        _Tensor.numel: "_shape",
+        _Tensor.nelement: "_shape",
+        _Tensor.__len__: "_length",
     }.get(func)
     if special is not None:
         return special
     if func in _data_dependent_ops():
-        return _data_dependent
+        return "_data_dependent"
     name = getattr(func, "__name__", "")
     if name in _RANDOM_OPS:
-        return _random
+        return "_random"
     if name.startswith("_foreach_"):
-        return _foreach
+        return "_foreach"
     if name in _INPLACE_DUNDERS or (
         name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
     ):
@@ -796,3 +803,19 @@ def _random(func, tr: Trace, args, kwargs):
         if isinstance(dst, _Tensor):
             tag(dst, tr, union)
     return out
+
+
+_HANDLERS = {
+    f.__name__: f
+    for f in (
+        _autograd_grad,
+        _refuse_varying,
+        _to_python,
+        _iterate,
+        _shape,
+        _length,
+        _data_dependent,
+        _random,
+        _foreach,
+    )
+}

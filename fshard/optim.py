@@ -66,8 +66,27 @@ def _join(locals_, like, treedef):
     )
 
 
-def sgd(lr: float, momentum: float = 0.0, *, nesterov: bool = False, weight_decay: float = 0.0) -> Optimizer:
+def _step0(locals_) -> torch.Tensor:
+    """The step count of a fresh optimizer state: a 0-d int64 tensor on the parameters' device.
+
+    A tensor rather than an int: a compiled training step then takes the same graph at every
+    step (an int input would be a new constant, and a recompile, at the next step)."""
+    return torch.zeros((), dtype=torch.int64, device=locals_[0].device if locals_ else None)
+
+
+def _scalar_dtype(locals_) -> torch.dtype:
+    """float64 when a parameter is float64, else float32: the dtype of the step-size scalars."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
+
+
+def sgd(
+    lr: float | torch.Tensor, momentum: float = 0.0, *, nesterov: bool = False, weight_decay: float = 0.0
+) -> Optimizer:
     """Stochastic gradient descent with optional momentum, as ``torch.optim.SGD`` computes it.
+
+    The state is ``{"step": 0-d int64 tensor, "momentum": buffers like params}`` (no buffers
+    without momentum). ``lr`` is a float, or a 0-d tensor for a schedule inside a compiled step
+    (`adamw` says why).
 
     Examples:
         >>> opt = fs.optim.sgd(0.1, momentum=0.9)
@@ -76,10 +95,10 @@ def sgd(lr: float, momentum: float = 0.0, *, nesterov: bool = False, weight_deca
     """
 
     def init(params):
-        if momentum == 0.0:
-            return {"step": 0}
         p, like, treedef = _split(params)
-        return {"step": 0, "momentum": _join([torch.zeros_like(t) for t in p], like, treedef)}
+        if momentum == 0.0:
+            return {"step": _step0(p)}
+        return {"step": _step0(p), "momentum": _join([torch.zeros_like(t) for t in p], like, treedef)}
 
     @torch.no_grad()
     def update(params, grads, state):
@@ -90,24 +109,35 @@ def sgd(lr: float, momentum: float = 0.0, *, nesterov: bool = False, weight_deca
             g = torch._foreach_add(g, p, alpha=weight_decay)
         new_state = {"step": state["step"] + 1}
         if momentum:
+            # the buffer starts at zero, so the first step sets it to g, as torch's first step does
             buf, _, _ = _split(state["momentum"])
-            if state["step"] == 0:
-                buf = [t.clone() for t in g]
-            else:
-                buf = torch._foreach_mul(buf, momentum)
-                torch._foreach_add_(buf, g)
+            buf = torch._foreach_mul(buf, momentum)
+            torch._foreach_add_(buf, g)
             new_state["momentum"] = _join(buf, like, treedef)
             g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
-        new_p = torch._foreach_add(p, g, alpha=-lr)
+        if isinstance(lr, torch.Tensor):  # a schedule's value: an input of a compiled step
+            new_p = torch._foreach_sub(p, torch._foreach_mul(g, lr))
+        else:
+            new_p = torch._foreach_add(p, g, alpha=-lr)
         return _join(new_p, like, treedef), new_state
 
     return Optimizer(init, update)
 
 
 def adamw(
-    lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01
+    lr: float | torch.Tensor,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
 ) -> Optimizer:
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW`` computes it.
+
+    The state is ``{"step": 0-d int64 tensor, "m": ..., "v": ...}``, the moments laid out like
+    the parameters. The step count is a tensor, and the bias corrections are computed from it as
+    tensors (as torch's ``capturable`` Adam does), so a ``torch.compile``'d training step is the
+    same graph at every step. ``lr`` is a float, or a 0-d tensor: under ``torch.compile`` a new
+    float at each step (a schedule) costs one recompile, after which Dynamo treats it as a
+    symbolic input; a tensor is an input of the graph from the start.
 
     Examples:
         >>> opt = fs.optim.adamw(3e-4, weight_decay=0.1)
@@ -119,7 +149,7 @@ def adamw(
     def init(params):
         p, like, treedef = _split(params)
         return {
-            "step": 0,
+            "step": _step0(p),
             "m": _join([torch.zeros_like(t) for t in p], like, treedef),
             "v": _join([torch.zeros_like(t) for t in p], like, treedef),
         }
@@ -131,17 +161,21 @@ def adamw(
         m, _, _ = _split(state["m"])
         v, _, _ = _split(state["v"])
         step = state["step"] + 1
+        # the bias corrections from the step count, a tensor: a compiled step is the same graph
+        # at every step (torch's capturable Adam computes them the same way)
+        t = torch.as_tensor(step, dtype=_scalar_dtype(p), device=p[0].device if p else None)
+        bc1 = 1 - b1**t
+        bc2_sqrt = (1 - b2**t).sqrt()
         p = torch._foreach_mul(p, 1 - lr * weight_decay)
         m = torch._foreach_mul(m, b1)
         torch._foreach_add_(m, g, alpha=1 - b1)
         v = torch._foreach_mul(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
-        bc1 = 1 - b1**step
-        bc2 = 1 - b2**step
         denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
+        torch._foreach_div_(denom, -lr / bc1)  # p + m / (denom / -step_size) = p - step_size * m / denom
+        torch._foreach_addcdiv_(p, m, denom)
         return _join(p, like, treedef), {
             "step": step,
             "m": _join(m, like, treedef),
@@ -211,7 +245,7 @@ def _global_norm(grads, norm_type: float) -> torch.Tensor:
                 continue
             term = m.square().sum() if norm_type == 2.0 else m.pow(norm_type).sum()
             if mesh is not None:
-                copies = mesh.size // math.prod(mesh.axis_size(a) for a in split) if split else mesh.size
+                copies = mesh.size // math.prod([mesh.axis_size(a) for a in split]) if split else mesh.size
                 term = term / copies
             total = term if total is None else total + term
     if total is None:

@@ -22,6 +22,7 @@ __all__ = [
     "assert_ok",
     "check_counts",
     "close",
+    "compile_counter",
     "expected_counts",
     "full",
     "gelu_mlp",
@@ -116,6 +117,36 @@ def local_slice_backward(mesh, spec, shape, elsize):
             shape[d] //= math.prod(mesh.shape[a] for a in axes)
             out.append(("all_gather", axes, math.prod(shape) * elsize))
     return out
+
+
+# == torch.compile =========================================================================
+
+
+def compile_counter():
+    """A torch.compile backend that runs the AOT graphs as they are (aot_eager) and counts.
+
+    Returns ``(backend, stats)``: ``stats["graphs"]`` is the number of graphs Dynamo made (a
+    graph break or a recompile adds one), ``stats["ops"]`` the names of the ``_c10d_functional``
+    collectives in the forward and backward graphs (``wait_tensor`` left out)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    stats: dict = {"graphs": 0, "ops": []}
+
+    def capture(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "_c10d_functional" in str(node.target):
+                name = str(node.target).split(".")[-2]
+                if name != "wait_tensor":
+                    stats["ops"].append(name)
+        return gm
+
+    inner = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+
+    def backend(gm, example_inputs):
+        stats["graphs"] += 1
+        return inner(gm, example_inputs)
+
+    return backend, stats
 
 
 # == reference computations (plain torch) ===================================================

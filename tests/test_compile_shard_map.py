@@ -1,8 +1,8 @@
 """``torch.compile(fullgraph=True)`` of shard_map'd code, on real gloo ranks (2).
 
 Each compiled function is compiled once per rank job (compilation is the slow part) with a
-counting ``aot_eager``-style backend that records how many graphs Dynamo made and the
-``_c10d_functional`` collectives in the forward and backward graphs. Values and gradients are
+counting ``aot_eager``-style backend (`tests.helpers.compile_counter`) that records how many
+graphs Dynamo made and the ``_c10d_functional`` collectives in the forward and backward graphs. Values and gradients are
 compared with the eager call and with the same computation by plain torch on the global tensors
 in one process; the collectives in the graphs with eager's `fs.count_collectives` (eager with
 ``bucket_mb=None``: one all-reduce per parameter, as the compiled backward does today); graph
@@ -15,33 +15,10 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import run_ranks
-from tests.helpers import assert_ok, close, mse, randn
+from tests.helpers import assert_ok, close, compile_counter, mse, randn
 
 N = 2  # ranks
 CALLS = 10  # calls of each compiled function with fixed shapes: still one graph
-
-
-def _backend():
-    """A torch.compile backend that runs the AOT graphs as they are (aot_eager) and counts."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    stats: dict = {"graphs": 0, "ops": []}
-
-    def capture(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and "_c10d_functional" in str(node.target):
-                name = str(node.target).split(".")[-2]
-                if name != "wait_tensor":
-                    stats["ops"].append(name)
-        return gm
-
-    inner = aot_autograd(fw_compiler=capture, bw_compiler=capture)
-
-    def backend(gm, example_inputs):
-        stats["graphs"] += 1
-        return inner(gm, example_inputs)
-
-    return backend, stats
 
 
 def _dp_body(w1, w2, x, y):
@@ -77,7 +54,7 @@ def _compiled_case(errs, out, name, fn, args, want_loss, want_grads, eager_fn, g
     """Compile ``fn`` (returning (loss, grads) or a loss), compare, call it CALLS times."""
     import fshard as fs
 
-    backend, stats = _backend()
+    backend, stats = compile_counter()
     compiled = torch.compile(fn, backend=backend, fullgraph=True)
     with fs.count_collectives() as eager_counts:
         eager = eager_fn(*args)

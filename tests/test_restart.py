@@ -51,7 +51,8 @@ def _run(cmd, out_dir):
 def _load_step(ckpt, step):
     from fshard import checkpoint
 
-    like = {"params": global_params(), "opt": {"step": 0, "m": global_params(), "v": global_params()}}
+    step0 = torch.zeros((), dtype=torch.int64)  # fs.optim counts steps in a tensor
+    like = {"params": global_params(), "opt": {"step": step0, "m": global_params(), "v": global_params()}}
     return checkpoint.load(ckpt, like, step=step)
 
 

@@ -1,0 +1,378 @@
+"""Whole training steps under ``torch.compile(step, fullgraph=True)``, on real gloo ranks (2).
+
+Each step (gradients, global-norm clipping, optimizer update) is compiled once per rank job with a
+counting ``aot_eager``-style backend (`tests.helpers.compile_counter`) and run for ``STEPS``
+steps on new batches, side by side with the same step called eagerly and with the same training
+by plain torch (``torch.optim``, ``torch.nn.utils.clip_grad_norm_``) on the global batch in one
+process. ``fullgraph=True`` makes any graph break an error; one graph after all the steps means
+no recompilation. The collectives in the compiled graphs are asserted by name. A changing batch
+size costs one recompile (Dynamo's automatic dynamic shapes), none when the batch dim is marked
+dynamic, and a size the mesh does not divide is refused. One step is compiled with the inductor
+backend (C++ kernels built with gcc) and compared with eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_ranks
+from tests.helpers import assert_ok, close, compile_counter, full, mse, randn
+
+N = 2  # ranks
+STEPS = 12  # steps with fixed shapes: still one graph
+LR = {"sgd": 0.1, "adamw": 0.01}
+
+
+def _mlp(p, x):
+    return torch.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def _local_loss(p, x, y):
+    import fshard as fs
+
+    return fs.pmean(mse(_mlp(p, x), y), "dp")
+
+
+def _fsdp_loss(p, x, y):
+    import fshard as fs
+
+    return _local_loss(fs.all_gather(p, "dp", dim=0, tiled=True), x, y)
+
+
+def _init():
+    return {"w1": randn(0, 4, 8) / 2, "w2": randn(1, 8, 3) / 3}
+
+
+def _batch(i, b=8):
+    return randn(100 + i, b, 4), randn(200 + i, b, 3)
+
+
+class _Reference:
+    """The same training in one process: torch.optim on the global parameters and batch."""
+
+    def __init__(self, params, kind, clip=1.0):
+        self.p = {k: full(v).detach().clone().requires_grad_() for k, v in params.items()}
+        ps = list(self.p.values())
+        self.opt = (
+            torch.optim.SGD(ps, lr=LR[kind], momentum=0.9)
+            if kind == "sgd"
+            else torch.optim.AdamW(ps, lr=LR[kind])
+        )
+        self.clip = clip
+
+    def step(self, x, y):
+        self.opt.zero_grad()
+        loss = mse(_mlp(self.p, x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(self.p.values()), self.clip)
+        self.opt.step()
+        return loss.detach(), norm
+
+
+def _train(errs, name, step, compiled, states, ref, batches):
+    """Run a step per ``(seed, batch size)`` of ``batches`` eagerly, compiled and in one process,
+    from ``states`` (eager params and state, compiled params and state); compare every loss and
+    norm and the parameters after each step. Returns the new states."""
+    ep, es, cp, cs = states
+    for i, b in batches:
+        x, y = _batch(i, b)
+        el, en, ep, es = step(ep, es, x, y)
+        cl, cn, cp, cs = compiled(cp, cs, x, y)
+        rl, rn = ref.step(x, y)
+        close(errs, f"{name} step {i}: compiled loss vs one process", cl, rl)
+        close(errs, f"{name} step {i}: compiled norm vs one process", cn, rn)
+        close(errs, f"{name} step {i}: compiled loss vs eager", cl, el)
+        for k in ref.p:
+            close(errs, f"{name} step {i}: compiled {k} vs one process", full(cp[k]), ref.p[k])
+            close(errs, f"{name} step {i}: compiled {k} vs eager", full(cp[k]), full(ep[k]))
+    return ep, es, cp, cs
+
+
+def _rank_steps():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):  # autograd.grad and backward traced
+        return _step_cases()
+
+
+def _step_cases():
+    import fshard as fs
+
+    errs: list[str] = []
+    out: dict = {}
+    dp = fs.Mesh(dp=N)
+
+    # 1. data parallel, the whole step inside shard_map (value_and_grad, clipping and SGD with
+    # momentum on the local blocks), as examples/data_parallel.py writes it
+    sgd = fs.optim.sgd(LR["sgd"], momentum=0.9)
+
+    def dp_step(params, state, x, y):
+        loss, grads = fs.value_and_grad(_local_loss)(params, x, y)
+        grads, norm = fs.optim.clip_by_global_norm(grads, 1.0)
+        params, state = sgd.update(params, grads, state)
+        return loss, norm, params, state
+
+    step = fs.shard_map(dp_step, mesh=dp, in_specs=("...", "...", "(dp b) d", "(dp b) o"), out_specs="...")
+    backend, stats = compile_counter()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    params = _init()
+    ref = _Reference(params, "sgd")
+    states = (params, sgd.init(params), params, sgd.init(params))
+    states = _train(errs, "dp sgd", step, compiled, states, ref, [(i, 8) for i in range(STEPS)])
+    out["dp sgd"] = {"graphs": stats["graphs"], "ops": list(stats["ops"])}
+    # new batch sizes: one recompile, at the first, after which Dynamo's automatic dynamic
+    # shapes treat the batch dim as symbolic (the same graph for every even size)
+    sizes = [(STEPS + i, b) for i, b in enumerate([12, 16, 20, 24, 6])]
+    states = _train(errs, "dp sgd, new batch sizes", step, compiled, states, ref, sizes)
+    out["dp sgd"]["graphs after new sizes"] = stats["graphs"]
+    # a size the mesh does not divide: shard_map refuses it, as for any uneven input
+    out["uneven batch"] = _raised(compiled, *states[2:], *_batch(0, 9))
+
+    # 2. FSDP: Sharded parameters, fs.value_and_grad of a shard_map'd loss that gathers them (one
+    # coalesced all-gather), clipping and AdamW on the Sharded gradients outside shard_map
+    adamw = fs.optim.adamw(LR["adamw"])
+    specs = {"w1": "(dp d) h", "w2": "(dp h) o"}
+    loss_fn = fs.shard_map(_fsdp_loss, mesh=dp, in_specs=(specs, "(dp b) d", "(dp b) o"), out_specs="...")
+    grad_fn = fs.value_and_grad(loss_fn)
+
+    def fsdp_step(params, state, x, y):
+        loss, grads = grad_fn(params, x, y)
+        grads, norm = fs.optim.clip_by_global_norm(grads, 1.0)
+        params, state = adamw.update(params, grads, state)
+        return loss, norm, params, state
+
+    backend, stats = compile_counter()
+    compiled = torch.compile(fsdp_step, backend=backend, fullgraph=True)
+    params = fs.shard(_init(), dp, specs)
+    states = (params, adamw.init(params), params, adamw.init(params))
+    batches = [(i, 8) for i in range(STEPS)]
+    _, _, cp, cs = _train(
+        errs, "fsdp adamw", fsdp_step, compiled, states, _Reference(params, "adamw"), batches
+    )
+    if not (isinstance(cp["w1"], fs.Sharded) and cp["w1"].spec == specs["w1"]):
+        errs.append(f"fsdp adamw: compiled step returned {cp['w1']!r}, want a Sharded over {specs['w1']!r}")
+    if int(cs["step"]) != STEPS:
+        errs.append(f"fsdp adamw: the state counts {int(cs['step'])} steps, want {STEPS}")
+    out["fsdp adamw"] = {"graphs": stats["graphs"], "ops": list(stats["ops"])}
+
+    # 3. loss.backward() inside the compiled step, fs.optim.clip_grad_norm_ on the .grad of plain
+    # (replicated) parameters, and an in-place SGD update
+    plain = fs.shard_map(_local_loss, mesh=dp, in_specs=("...", "(dp b) d", "(dp b) o"), out_specs="...")
+
+    def backward_step(params, state, x, y):
+        loss = plain(params, x, y)
+        loss.backward()
+        norm = fs.optim.clip_grad_norm_(params.values(), 1.0)
+        with torch.no_grad():
+            for p in params.values():
+                p -= LR["sgd"] * p.grad
+        return loss.detach(), norm, params, state
+
+    backend, stats = compile_counter()
+    compiled = torch.compile(backward_step, backend=backend, fullgraph=True)
+    ref = _Reference(_init(), "sgd")
+    ref.opt = torch.optim.SGD(list(ref.p.values()), lr=LR["sgd"])
+    eager_params = {k: v.clone().requires_grad_() for k, v in _init().items()}
+    params = {k: v.clone().requires_grad_() for k, v in _init().items()}
+    for i in range(STEPS):
+        # a new batch size at each step, marked dynamic: one graph for all of them
+        x, y = _batch(i, 8 + 4 * (i % 5))
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(y, 0)
+        el, en, _, _ = backward_step(eager_params, None, x, y)
+        cl, cn, _, _ = compiled(params, None, x, y)
+        # zeroed outside the compiled step: torch 2.13 accumulates the next compiled backward
+        # wrongly after a ``p.grad = None`` inside it (plain torch, without fshard, too)
+        for p in [*eager_params.values(), *params.values()]:
+            p.grad = None
+        rl, rn = ref.step(x, y)
+        close(errs, f"backward step {i}: compiled loss vs one process", cl, rl)
+        close(errs, f"backward step {i}: compiled clip_grad_norm_ vs one process", cn, rn)
+        close(errs, f"backward step {i}: compiled clip_grad_norm_ vs eager", cn, en)
+        for k in ref.p:
+            close(errs, f"backward step {i}: compiled {k} vs one process", params[k], ref.p[k])
+    out["backward clip_grad_norm_"] = {"graphs": stats["graphs"], "ops": list(stats["ops"])}
+    return errs, out
+
+
+def _raised(fn, *args) -> str:
+    """fshard's error from ``fn(*args)`` as ``type: text`` (Dynamo wraps an error raised at trace
+    time in its ``InternalTorchDynamoError``, and appends where it was traced)."""
+    try:
+        fn(*args)
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        head = "InternalTorchDynamoError: "
+        return text[len(head) :].split("\n\nfrom user code:")[0] if text.startswith(head) else text
+    return "nothing raised"
+
+
+def test_compiled_training_steps_match_eager_and_one_process_in_one_graph():
+    got = run_ranks(N, _rank_steps, timeout=115)
+    assert_ok([errs for errs, _ in got])
+    for _, out in got:
+        for name in ("dp sgd", "fsdp adamw", "backward clip_grad_norm_"):
+            stats = out[name]
+            assert stats["graphs"] == 1, (name, stats)  # no graph break, no recompile over the steps
+        # new batch sizes: one recompile in all (with mark_dynamic, none: "backward" above)
+        assert out["dp sgd"]["graphs after new sizes"] == 2
+        assert out["uneven batch"] == (
+            "TracingError: fs.shard_map(_step_cases.<locals>.dp_step) with uneven blocks (a dim not "
+            "divisible by its mesh axes) is not supported inside torch.compile yet (fshard refuses "
+            "rather than compiling something that would mean another thing than the eager call); pad "
+            "the inputs to a multiple of the mesh axes' sizes, or call it eagerly"
+        )
+        # the loss's pmean, one gradient all-reduce per parameter (no buckets in a compiled
+        # backward) and the global norm's all-reduce
+        assert sorted(out["dp sgd"]["ops"]) == ["all_reduce"] * 4
+        # the parameters' coalesced all-gather, its transpose (one reduce-scatter), the pmean and
+        # the global norm's all-reduce
+        assert sorted(out["fsdp adamw"]["ops"]) == [
+            "all_gather_into_tensor",
+            "all_reduce",
+            "all_reduce",
+            "reduce_scatter_tensor",
+        ]
+        assert sorted(out["backward clip_grad_norm_"]["ops"]) == ["all_reduce"] * 3  # pmean, 2 grads
+
+
+# == constructs inside a compiled step: compiled with eager's values, or refused by name ========
+
+
+def _async_loss(p, x, y):
+    import fshard as fs
+
+    pending = fs.all_gather(p["w1"], "dp", dim=0, tiled=True, async_op=True)  # starts the gather
+    h = x * 2  # computed meanwhile
+    return fs.pmean(mse(torch.tanh(h @ pending.wait()) @ p["w2"], y), "dp")
+
+
+def _remat_loss(p, x, y):
+    import fshard as fs
+
+    layer = fs.remat(_layer)
+    return fs.pmean(mse(layer(p["w1"], x) @ p["w2"], y), "dp")
+
+
+def _layer(w, h):
+    return torch.tanh(h @ w)
+
+
+def _switch_loss(p, x, y):
+    import fshard as fs
+
+    h = fs.switch(fs.axis_index("dp"), [_layer, _layer], p["w1"], x)
+    return fs.pmean(mse(h @ p["w2"], y), "dp")
+
+
+def _scan_loss(p, x, y):
+    import fshard as fs
+
+    return fs.pmean(mse(fs.fsdp_scan(_layer, [p["w1"]], x, "dp") @ p["w2"], y), "dp")
+
+
+def _rank_constructs():
+    import fshard as fs
+
+    torch._dynamo.reset()
+    errs: list[str] = []
+    out: dict = {}
+    dp = fs.Mesh(dp=N)
+    x, y = _batch(0)
+    # async_op=True: the functional collective and its wait are traced as they are
+    specs = {"w1": "(dp d) h", "w2": "..."}
+    loss_fn = fs.shard_map(_async_loss, mesh=dp, in_specs=(specs, "(dp b) d", "(dp b) o"), out_specs="...")
+    params = fs.shard(_init(), dp, {"w1": "(dp d) h", "w2": "h o"})
+    ref = {k: full(v).detach().clone().requires_grad_() for k, v in params.items()}
+    want = mse(_mlp(ref, 2 * x), y)
+    want_grads = torch.autograd.grad(want, list(ref.values()))
+    vg = fs.value_and_grad(loss_fn)
+    backend, stats = compile_counter()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(vg, backend=backend, fullgraph=True)
+        for _ in range(3):
+            loss, grads = compiled(params, x, y)
+    eager_loss, _ = vg(params, x, y)
+    close(errs, "async_op: compiled loss vs one process", loss, want)
+    close(errs, "async_op: compiled loss vs eager", loss, eager_loss)
+    for (k, g), w in zip(grads.items(), want_grads):
+        close(errs, f"async_op: compiled grad {k} vs one process", full(g), w)
+    out["async_op"] = {"graphs": stats["graphs"], "ops": list(stats["ops"])}
+    # refused, naming the construct
+    plain = _init()
+    for name, body in (("remat", _remat_loss), ("switch", _switch_loss), ("fsdp_scan", _scan_loss)):
+        in_specs = ({"w1": "(dp d) h", "w2": "..."} if name == "fsdp_scan" else "...", "(dp b) d", "(dp b) o")
+        f = fs.shard_map(body, mesh=dp, in_specs=in_specs, out_specs="...")
+        out[name] = _raised(torch.compile(f, backend="eager", fullgraph=True), plain, x, y)
+        eager = f(plain, x, y)  # eagerly: the same value as one process
+        close(errs, f"{name}: eager loss vs one process", eager, mse(_mlp(plain, x), y))
+    return errs, out
+
+
+def test_compiled_async_collectives_match_and_remat_switch_fsdp_scan_are_refused_by_name():
+    got = run_ranks(N, _rank_constructs, timeout=115)
+    assert_ok([errs for errs, _ in got])
+    for _, out in got:
+        assert out["async_op"]["graphs"] == 1
+        # the gather and its transpose (a reduce-scatter), the pmean, w2's gradient all-reduce
+        assert sorted(out["async_op"]["ops"]) == [
+            "all_gather_into_tensor",
+            "all_reduce",
+            "all_reduce",
+            "reduce_scatter_tensor",
+        ]
+        tail = (
+            " is not supported inside torch.compile yet (fshard refuses rather than compiling "
+            "something that would mean another thing than the eager call); "
+        )
+        assert out["remat"] == (
+            "TracingError: fs.remat(_layer)" + tail + "drop fs.remat from the compiled step "
+            "(torch.compile decides itself what the backward keeps or recomputes), or call the step eagerly"
+        )
+        assert out["switch"] == (
+            "TracingError: fs.switch on an index that varies over mesh axes"
+            + tail
+            + "call the step eagerly, or branch outside the compiled function"
+        )
+        assert out["fsdp_scan"] == (
+            "TracingError: fs.fsdp_scan" + tail + "gather the layers' parameters with fs.all_gather in "
+            "the compiled step (torch.compile decides itself what the backward keeps), or call the step "
+            "eagerly"
+        )
+
+
+# == the inductor backend ====================================================================
+
+
+def _rank_inductor():
+    import fshard as fs
+
+    torch._dynamo.reset()
+    errs: list[str] = []
+    dp = fs.Mesh(dp=N)
+    sgd = fs.optim.sgd(LR["sgd"], momentum=0.9)
+
+    def dp_step(params, state, x, y):
+        loss, grads = fs.value_and_grad(_local_loss)(params, x, y)
+        params, state = sgd.update(params, grads, state)
+        return loss, params, state
+
+    step = fs.shard_map(dp_step, mesh=dp, in_specs=("...", "...", "(dp b) d", "(dp b) o"), out_specs="...")
+    # one compile thread per rank: the two ranks already share the machine's cores
+    with torch._dynamo.config.patch(trace_autograd_ops=True), torch._inductor.config.patch(compile_threads=1):
+        compiled = torch.compile(step, backend="inductor", fullgraph=True)
+        ep = cp = _init()
+        es = cs = sgd.init(ep)
+        for i in range(3):
+            x, y = _batch(i)
+            el, ep, es = step(ep, es, x, y)
+            cl, cp, cs = compiled(cp, cs, x, y)
+            close(errs, f"inductor step {i}: loss vs eager", cl, el)
+            for k in ep:
+                close(errs, f"inductor step {i}: {k} vs eager", cp[k], ep[k])
+    return errs
+
+
+@pytest.mark.timeout(240)  # inductor compiles C++ kernels with gcc: slow on a loaded 2-core machine
+def test_compiled_step_with_inductor_matches_eager():
+    assert_ok(run_ranks(N, _rank_inductor, timeout=220))
