@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -647,7 +648,9 @@ def release_groups(timeout: float) -> bool:
             held.extend(release())
         except Exception:
             pass
-    _drop_destroyed_defaults()
+    with warnings.catch_warnings():  # reading torch.distributed's deprecated names warns
+        warnings.simplefilter("ignore")
+        _drop_destroyed_defaults()
     box = [held]
     del held
 
