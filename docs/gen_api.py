@@ -67,6 +67,11 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Autodiff", "", ["value_and_grad", "grad", "no_sync", "remat", "fsdp_scan"]),
     ("Modules", "", ["sync_buffers", "check_buffers"]),
     ("Counting collectives", "", ["count_collectives", "CollectiveCounts"]),
+    (
+        "Compiling",
+        "The [compiling page](tutorial/09-compiling.md) says what compiles, what is refused and why.",
+        ["compile"],
+    ),
     ("Launching", "", ["init", "launch", "RankPool", "restart_count"]),
     ("Optimizers: `fs.optim`", "", ["optim"]),
     ("Randomness: `fs.random`", "", ["random"]),

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time, names load on f
         TracingError,
     )
     from ._fsdp import fsdp_scan
+    from ._jit import compile
     from ._launch import RankPool, init, launch
     from ._layout import Layout
     from ._mesh import Mesh
@@ -93,6 +94,7 @@ _LAZY = {
     "SpecError": "_errors",
     "TracingError": "_errors",
     "fsdp_scan": "_fsdp",
+    "compile": "_jit",
     "RankPool": "_launch",
     "init": "_launch",
     "launch": "_launch",
@@ -173,6 +175,8 @@ __all__ = [
     "fsdp_scan",
     "count_collectives",
     "CollectiveCounts",
+    # compiling
+    "compile",
     # launching
     "init",
     "launch",

@@ -370,9 +370,70 @@ def _rank_inductor():
             close(errs, f"inductor step {i}: loss vs eager", cl, el)
             for k in ep:
                 close(errs, f"inductor step {i}: {k} vs eager", cp[k], ep[k])
+    with torch._inductor.config.patch(compile_threads=1):
+        _fs_compile_case(errs, dp)
     return errs
+
+
+def _gloo_all_reduces(fn, *args) -> int:
+    """How many all-reduces gloo ran during ``fn(*args)`` (read from the profiler's events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return sum(e.name == "gloo:all_reduce" for e in prof.events())
+
+
+def _fs_compile_case(errs, dp):
+    """fs.compile of ``loss.backward()`` on a data-parallel loss: the gradient all-reduces of the
+    three replicated parameters and the loss's pmean are one bucket in the compiled graph."""
+    import fshard as fs
+
+    def loss_fn(p, x, y):
+        return fs.pmean(mse(_mlp(p, x) + p["b"], y), "dp")
+
+    f = fs.shard_map(loss_fn, mesh=dp, in_specs=("...", "(dp b) d", "(dp b) o"), out_specs="")
+    init = {**_init(), "b": randn(2, 3) / 4}
+    eager_p = {k: v.clone().requires_grad_(True) for k, v in init.items()}
+    comp_p = {k: v.clone().requires_grad_(True) for k, v in init.items()}
+
+    def step(p, x, y):
+        loss = f(p, x, y)
+        loss.backward()
+        return loss.detach()
+
+    x, y = _batch(0)
+    with fs.count_collectives() as eager_counts:
+        eager_loss = step(eager_p, x, y)
+    compiled = fs.compile(step)
+    compiled(comp_p, x, y)  # traced and compiled
+    for t in comp_p.values():
+        t.grad = None
+    n = _gloo_all_reduces(compiled, comp_p, x, y)
+    if n != 1:
+        errs.append(f"fs.compile: {n} all-reduces in the compiled step, want 1 bucket")
+    if eager_counts.total < 2:  # eager: the loss's pmean, then the gradients' bucket
+        errs.append(f"eager: {eager_counts}")
+    got_loss = compiled(comp_p, x, y)  # gradients accumulate over the two calls since the reset
+    close(errs, "fs.compile: loss vs eager", got_loss, eager_loss)
+    X, Y = full(x), full(y)
+    want = torch.func.grad(lambda p: mse(_mlp(p, X) + p["b"], Y))(init)  # one process
+    for k in init:
+        close(errs, f"fs.compile: grad {k} vs eager", comp_p[k].grad / 2, eager_p[k].grad)
+        close(errs, f"fs.compile: grad {k} vs one process", eager_p[k].grad, want[k])
 
 
 @pytest.mark.timeout(240)  # inductor compiles C++ kernels with gcc: slow on a loaded 2-core machine
 def test_compiled_step_with_inductor_matches_eager():
     assert_ok(run_ranks(N, _rank_inductor, timeout=220))
+
+
+def test_fs_compile_refuses_inductor_settings_for_another_backend():
+    import fshard as fs
+
+    with pytest.raises(ValueError) as err:
+        fs.compile(lambda x: x, backend="aot_eager", options={"max_autotune": True})
+    assert str(err.value) == (
+        "fs.compile: options= and mode= are inductor's; backend='aot_eager' takes neither "
+        "(leave them out, or use backend='inductor')"
+    )

@@ -1,0 +1,94 @@
+"""``fs.compile``: ``torch.compile`` set up for sharded steps (what ``jax.jit`` is to shard_map).
+
+A sharded training step compiles with plain ``torch.compile(step, fullgraph=True)`` (see
+docs/tutorial/09-compiling.md); three settings make it a good one, and `compile` sets them:
+
+- ``fullgraph=True``: a graph break would silently run part of the step eagerly;
+- ``torch._dynamo.config.trace_autograd_ops`` on while the function runs, so that
+  ``loss.backward()`` and ``fs.value_and_grad`` (``torch.autograd.grad``) are traced into the
+  graph instead of breaking it;
+- inductor's bucketing of the gradient all-reduces (``bucket_all_reduces_fx``): without it the
+  compiled backward all-reduces each replicated parameter's gradient on its own (eager fshard
+  reduces them in ``bucket_mb`` buckets, which are driven by autograd hooks Dynamo does not
+  trace). All-gathers and reduce-scatters are left where the program puts them (bucketing them
+  would hold more parameters or gradients at once); ask for it with ``options``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["compile"]
+
+_BUCKETED = {"bucket_all_reduces_fx": "all"}
+
+
+def compile(  # noqa: A001 (fs.compile, as torch.compile)
+    fn: Callable | None = None,
+    *,
+    backend: str | Callable = "inductor",
+    dynamic: bool | None = None,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    bucket: bool = True,
+) -> Callable:
+    """Compile a sharded step with ``torch.compile``: one graph, backward traced, gradient
+    all-reduces bucketed.
+
+    ``fn`` is anything ``torch.compile(fullgraph=True)`` takes that fshard supports compiled
+    (docs/tutorial/09-compiling.md): a ``shard_map``'d function, a function calling one then
+    ``loss.backward()``, ``fs.value_and_grad`` of one, a whole step with an ``fs.optim`` update.
+    Dynamo traces it on the first call; fshard's checks (specs, the replication check, what is
+    refused under compile) run then, and later calls with the same shapes run the graph.
+
+    Args:
+        fn: the function; without it, returns a decorator.
+        backend: as ``torch.compile``'s (``"inductor"``, ``"aot_eager"``, a callable, ...).
+        dynamic: as ``torch.compile``'s (``None``: a dim that changes is made dynamic on its
+            second size).
+        mode: as ``torch.compile``'s (inductor only).
+        options: inductor options, on top of fshard's (``bucket_all_reduces_fx="all"`` unless
+            ``bucket=False``).
+        bucket: with the inductor backend, bucket the all-reduces of the graph (the compiled
+            counterpart of ``shard_map``'s ``bucket_mb``).
+
+    Returns:
+        The compiled function (``torch.compile``'s), called with ``trace_autograd_ops`` on.
+
+    Examples:
+        >>> step = fs.compile(train_step)           # train_step calls loss.backward()
+        >>> loss = step(params, batch)              # traced and compiled on this first call
+        >>> @fs.compile(backend="aot_eager")
+        ... def loss_and_grads(params, batch):
+        ...     return fs.value_and_grad(loss_fn)(params, batch)
+    """
+    if fn is None:
+        return functools.partial(
+            compile, backend=backend, dynamic=dynamic, mode=mode, options=options, bucket=bucket
+        )
+    kw: dict[str, Any] = {"backend": backend, "fullgraph": True, "dynamic": dynamic}
+    if backend == "inductor":
+        opts = dict(_BUCKETED) if bucket else {}
+        opts.update(options or {})
+        if opts:
+            kw["options"] = opts
+        if mode is not None:
+            kw["mode"] = mode
+    elif options or mode is not None:
+        raise ValueError(
+            f"fs.compile: options= and mode= are inductor's; backend={backend!r} takes neither "
+            "(leave them out, or use backend='inductor')"
+        )
+    compiled = torch.compile(fn, **kw)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return compiled(*args, **kwargs)
+
+    run.compiled = compiled  # type: ignore[attr-defined]  # torch.compile's function, for explain()
+    return run
