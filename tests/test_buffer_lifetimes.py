@@ -13,6 +13,7 @@ reduce-scatters (backward), and a flight abandoned by an exception before its re
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import torch
@@ -114,8 +115,6 @@ def _rank_combined_operands_dropped(blocks):
     errs: list = []
     numels = sorted({b.numel() // 2 for b in blocks} | {b.numel() for b in blocks})
     ws = [b.clone().requires_grad_(True) for b in blocks]
-    import os
-
     before = {k: os.environ.get(k) for k in ("FSHARD_COMBINE_MB", "FSHARD_COMBINE_AHEAD")}
     os.environ.update(FSHARD_COMBINE_MB=str(1 / 2**20), FSHARD_COMBINE_AHEAD="2")  # one bucket per leaf
     try:
