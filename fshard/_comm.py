@@ -322,7 +322,13 @@ def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 
 class Handle:
     """An asynchronous operation in flight: ``wait()`` blocks until it is done and returns its
-    result (once; later calls return the same result)."""
+    result (once; later calls return the same result).
+
+    The buffers of the collective do not depend on this handle to stay alive: the backend's work
+    holds its input and output tensors until it has run (gloo's queue holds the work; the
+    functional ops' registry holds it until ``wait_tensor``), so the caller may drop its operand
+    right after the launch, and a handle dropped unwaited (an exception, a pool rank's reset)
+    frees nothing the collective still uses (``tests/test_buffer_lifetimes.py``)."""
 
     __slots__ = ("_works", "_finish", "_result", "_done", "_rec")
 
