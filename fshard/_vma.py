@@ -64,6 +64,7 @@ class Trace:
         "ragged",
         "queue",
         "pending",
+        "compiled",
     )
 
     def __init__(self, mesh: Mesh, where: str):
@@ -71,6 +72,9 @@ class Trace:
         self.where = where
         self.pvary_cache: dict = {}
         self.id = _compile.next_id()
+        # made while torch.compile traces: a constant of the trace, read on the per-op path
+        # instead of calling torch.compiler.is_compiling() for every op
+        self.compiled = _compiling()
         self._mode: VmaMode | None = None
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
@@ -242,7 +246,7 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     if not missing or not (x.requires_grad and torch.is_grad_enabled()):
         return x
     # (compiled: Dynamo cannot read _version; the in-place rule drops a changed tensor's casts)
-    key = (id(x), missing) if _compiling() else (id(x), x._version, missing)
+    key = (id(x), missing) if tr.compiled else (id(x), x._version, missing)
     hit = tr.pvary_cache.get(key)
     if hit is not None:
         return hit[1]
@@ -319,7 +323,7 @@ class VmaMode(TorchFunctionMode):
         if tr.pending is not None:  # wait for the collectives of the results among the operands
             tr.pending.use(args, kwargs)
         tid = tr.id
-        if _compiling():  # a constant of the trace (Dynamo would guard on the cache's keys)
+        if tr.compiled:  # a constant of the trace (Dynamo would guard on the cache's keys)
             kind = _classify(func)
         else:
             kind = _KIND.get(func)
@@ -397,7 +401,7 @@ class VmaMode(TorchFunctionMode):
                 setattr(args[0], _ATTR, (tid, union))
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
-        if kind is _INPLACE and _compiling() and tr.pvary_cache and args and isinstance(args[0], _Tensor):
+        if kind is _INPLACE and tr.compiled and tr.pvary_cache and args and isinstance(args[0], _Tensor):
             _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
         return out
 
