@@ -164,7 +164,11 @@ def _rank(model: str, batch: int, steps: int, rounds: int, backend: str) -> dict
     # every contender's gradients are the eager fshard ones (fp32 tolerance; DDP averages over ranks
     # as the fshard loss, a mean over the global batch, does)
     eager = fe_grads()
-    for label, got in (("fshard compiled", fc_grads()), ("DDP eager", de_grads()), ("DDP compiled", dc_grads())):
+    for label, got in (
+        ("fshard compiled", fc_grads()),
+        ("DDP eager", de_grads()),
+        ("DDP compiled", dc_grads()),
+    ):
         for n in eager:
             if got[n] is None:
                 raise AssertionError(f"{label}: no gradient for {n}")
@@ -215,7 +219,9 @@ def main() -> None:
             f"{name:16s} {1e3 * med:9.2f} {1e3 * min(ts):8.2f} {med / ref:15.3f} "
             f"{res['first'][name]:12.1f} {res['graphs'][name]:6d}"
         )
-    print("first call alone (fresh processes, inductor caches off): seconds; of which Dynamo tracing, C++ compiler")
+    print(
+        "first call alone (fresh processes, inductor caches off): seconds; of which Dynamo tracing, C++ compiler"
+    )
     ref_first = firsts["DDP compiled"]["first"]
     for name, st in firsts.items():
         print(
