@@ -35,7 +35,16 @@ import torch
 
 from ._errors import TracingError
 
-__all__ = ["compiling", "refuse", "check_call", "fail", "hide_jvp", "next_id", "allow_cached"]
+__all__ = [
+    "compiling",
+    "refuse",
+    "check_call",
+    "check_transforms",
+    "fail",
+    "hide_jvp",
+    "next_id",
+    "allow_cached",
+]
 
 compiling = torch.compiler.is_compiling
 """Whether Dynamo is tracing the running code (a constant True in traced code, False in eager)."""
@@ -90,6 +99,27 @@ def refuse(construct: str, fix: str) -> None:
             TracingError,
             f"{construct} is not supported inside torch.compile yet (fshard refuses rather than "
             f"compiling something that would mean another thing than the eager call); {fix}",
+        )
+
+
+@torch._dynamo.assume_constant_result
+def _in_transform() -> bool:
+    """Whether a torch.func transform is running; while compiling, read at trace time (Dynamo
+    enters the transforms' levels for real while it traces their bodies) and baked in."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def check_transforms() -> None:
+    """While compiling, refuse torch.func transforms around or inside a shard_map'd body: their
+    compiled graphs lose the implicit casts of the tracking (a gradient taken inside ``f`` of an
+    invariant parameter would miss its psum), so they would mean another thing than eager."""
+    if compiling() and _in_transform():
+        fail(
+            TracingError,
+            "torch.func transforms (grad, vjp, jvp, vmap, jacrev, hessian, ...) inside or around a "
+            "shard_map'd function are not supported inside torch.compile yet (fshard refuses rather "
+            "than compiling something that would mean another thing than the eager call); call "
+            "the transform eagerly, or use fs.value_and_grad / loss.backward() in the compiled step",
         )
 
 

@@ -128,6 +128,8 @@ def current(where: str) -> Trace:
             f"out_specs=...)"
         )
     tr = _stack[-1]
+    if tr.compiled:
+        _compile.check_transforms()
     if tr.queue is not None:  # another collective: the queued ones run first, in issue order
         tr.queue.flush()
     if tr.pending is not None:
@@ -324,6 +326,7 @@ class VmaMode(TorchFunctionMode):
             tr.pending.use(args, kwargs)
         tid = tr.id
         if tr.compiled:  # a constant of the trace (Dynamo would guard on the cache's keys)
+            _compile.check_transforms()
             kind = _classify(func)
         else:
             kind = _KIND.get(func)

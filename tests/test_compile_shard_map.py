@@ -213,6 +213,19 @@ def _rank_refusals():
     plain = fs.shard_map(_dp_body, mesh=dp, in_specs=in_dp, out_specs="...")
     with fs.no_sync():
         out["no_sync"] = _raised(torch.compile(plain, backend="eager", fullgraph=True), *args)
+    # torch.func transforms inside f (their compiled graphs lost the implicit casts: a gradient of
+    # an invariant parameter missed its psum, silently) and around a shard_map'd function
+    inside = {
+        "grad": lambda w1, w2, x, y: torch.func.grad(_unreduced_body)(w1, w2, x, y),
+        "vmap": lambda w1, w2, x, y: torch.func.vmap(lambda r: torch.tanh(r @ w1) @ w2)(x),
+        "jvp": lambda w1, w2, x, y: torch.func.jvp(lambda w: _unreduced_body(w, w2, x, y), (w1,), (w1,))[1],
+    }
+    outs = {"grad": "... | sum(dp)", "vmap": "(dp b) o", "jvp": "| sum(dp)"}
+    for name, body in inside.items():
+        f = fs.shard_map(body, mesh=dp, in_specs=in_dp, out_specs=outs[name])
+        out[f"torch.func.{name} inside"] = _raised(torch.compile(f, backend="eager", fullgraph=True), *args)
+    around = torch.func.grad(plain)
+    out["torch.func.grad around"] = _raised(torch.compile(around, backend="eager", fullgraph=True), *args)
     return out
 
 
@@ -237,6 +250,14 @@ def test_compiled_shard_map_raises_eagers_errors_and_refuses_what_it_does_not_su
             "TracingError: fs.shard_map(_dp_body, compute_dtype=...)" + REFUSED + "cast the parameters "
             "inside f (w.to(dtype)) instead, or call it eagerly"
         )
+        for name in ("grad inside", "vmap inside", "jvp inside", "grad around"):
+            assert _fshard_part(out[f"torch.func.{name}"]) == (
+                "TracingError: torch.func transforms (grad, vjp, jvp, vmap, jacrev, hessian, ...) inside "
+                "or around a shard_map'd function"
+                + REFUSED.replace(" is ", " are ", 1)
+                + "call the transform eagerly, or use "
+                "fs.value_and_grad / loss.backward() in the compiled step"
+            ), name
         assert _fshard_part(out["no_sync"]) == (
             "TracingError: fs.shard_map(_dp_body) under fs.no_sync (or with gradients fs.no_sync left "
             "pending)"
