@@ -95,6 +95,9 @@ _recorders: list[CollectiveCounts] = []
 def count_collectives():
     """Count the collectives fshard issues inside the block, forward and backward.
 
+    Eager calls only: a compiled shard_map call inside the block raises a `TracingError` (count an
+    eager call of the same step, or read the compiled graph: docs/tutorial/09-compiling.md).
+
     Yields:
         CollectiveCounts: filled in as collectives run.
 

@@ -123,8 +123,14 @@ def check_transforms() -> None:
         )
 
 
-def check_call(name: str, compute_dtype, no_sync: bool, debug: bool) -> None:
+def check_call(name: str, compute_dtype, no_sync: bool, debug: bool, counting: bool = False) -> None:
     """While compiling, refuse the shard_map options a compiled call does not support yet."""
+    if counting:
+        refuse(
+            f"fs.shard_map({name}) under fs.count_collectives",
+            "count the collectives of an eager call of the step (compiled, inductor may bucket its "
+            "all-reduces), or read them from the compiled graph (docs/tutorial/09-compiling.md)",
+        )
     if compute_dtype is not None:
         refuse(
             f"fs.shard_map({name}, compute_dtype=...)",

@@ -16,7 +16,7 @@ import math
 import optree
 import torch
 
-from . import _buckets, _compile, _debug, _spec, _stages, _vma
+from . import _buckets, _comm, _compile, _debug, _spec, _stages, _vma
 from ._buckets import DEFAULT_BUCKET_MB
 from ._comm import untracked
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
@@ -215,7 +215,9 @@ class _ShardMapped:
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             no_sync = not _buckets._sync or bool(_buckets._PENDING)
-            _compile.check_call(self.name, self._compute_dtype, no_sync, _debug.enabled)
+            _compile.check_call(
+                self.name, self._compute_dtype, no_sync, _debug.enabled, bool(_comm._recorders)
+            )
             key = None
             hit = None
         else:
