@@ -365,6 +365,8 @@ def permute_start(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ..
                 g.group  # noqa: B018  (a group made on first use is made by every rank: collective)
             result = t.clone(memory_format=torch.contiguous_format) if local else torch.zeros_like(t)
             return Handle((), lambda: result)
+        if _compiling():  # Dynamo cannot trace P2P ops: an all-to-all with this rank's pair only
+            return _permute_compiled(t, g, send_to, recv_from)
         group = g.group
         flat = t.contiguous()
         ops = [dist.P2POp(dist.isend, flat, g.global_ranks[d], group) for d in send_to]  # type: ignore[arg-type]
@@ -387,6 +389,28 @@ def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) ->
     fshard collective) satisfies that.
     """
     return permute_start(t, g, perm).wait()
+
+
+def _permute_compiled(t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: list) -> Handle:
+    """`permute` in traced code: one functional all-to-all over the axis in which this rank sends
+    ``t`` to its destination and receives from its source (every other split empty), the same
+    bytes as the point-to-point exchange; every rank of the axis takes part."""
+    n = t.numel()
+    in_splits = [0] * g.size
+    out_splits = [0] * g.size
+    for i in range(g.size):  # axis index i lives at group rank order[i]
+        r = g.order[i] if g.order is not None else i
+        if any(d == i for d in send_to):  # (compared, not indexed: a pair may be a traced int)
+            in_splits[r] = n
+        if any(s == i for s in recv_from):
+            out_splits[r] = n
+    flat = t.contiguous().reshape(-1) if send_to else t.reshape(-1)[:0].contiguous()
+    with _issue("ppermute", g, flat):
+        out = _launch(_ALL_TO_ALL, flat, out_splits, in_splits, _name(g))
+        rec = issued()
+        out = _wait(out, rec)
+    result = out.view(t.shape) if recv_from else torch.zeros_like(t)
+    return Handle((), lambda: result)
 
 
 def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:

@@ -144,6 +144,21 @@ def _local_world() -> tuple[int, int]:
     return 0, 1
 
 
+_BY_TEXT: dict[str, Mesh] = {}  # the first mesh made of each key, by the key's text
+
+
+def by_text(text: str) -> Mesh:
+    """The mesh of key text ``text``, read from this module's global table.
+
+    Compiled code reads a call's mesh here rather than from the shard_map'd function: Dynamo
+    takes the ints it reads through a global (the axis sizes, this rank's coordinates) as
+    constants of the graph, guarded, while ints read through a function's arguments become
+    symbolic when they change between traces of the same code (two shard_map'd functions on two
+    meshes compiled in one process), and fshard's planning cannot run on symbolic axis sizes.
+    Equal meshes (same key) are interchangeable."""
+    return _BY_TEXT[text]
+
+
 class Mesh:
     """A grid of ranks with named axes, row-major over the default process group.
 
@@ -279,6 +294,8 @@ class Mesh:
         self._groups: dict[tuple[str, ...], AxisGroup] = shared[1]
         self._pgs: dict[tuple[int, ...], object] = shared[3]  # sorted dims (size > 1) -> group
         self._key = (names, sizes, self._ranks)
+        self._text = repr(self._key)  # a string: compiled code finds the mesh by it (`by_text`)
+        _BY_TEXT.setdefault(self._text, self)
         # Bits for axes that can vary (size > 1); used by varying-axes tracking.
         self._bits = {n: (1 << i) for i, (n, s) in enumerate(zip(names, sizes)) if s > 1}
         self._make_multi_axis_groups(world)

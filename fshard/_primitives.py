@@ -762,4 +762,29 @@ class ReduceScatterDone(torch.autograd.Function):
         return apply(ReduceScatter, x_t, *ctx.args)
 
 
+class _ScaleCotangent(torch.autograd.Function):
+    """Identity forward; the backward multiplies the cotangent by ``scale`` (``check=False``)."""
+
+    @staticmethod
+    def forward(x, scale):
+        with untracked():
+            return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ct):
+        return ct * ctx.scale, None
+
+    @staticmethod
+    def jvp(ctx, x_t, _):  # the forward is the identity
+        return x_t.clone()
+
+    @staticmethod
+    def vmap(info, in_dims, x, scale):
+        return apply(_ScaleCotangent, x, scale), in_dims[0]
+
+
 _compile.hide_jvp(list(globals().values()))  # torch.compile traces Functions without a jvp

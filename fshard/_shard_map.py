@@ -16,13 +16,12 @@ import math
 import optree
 import torch
 
-from . import _buckets, _comm, _compile, _debug, _spec, _stages, _vma
+from . import _buckets, _comm, _compile, _debug, _mesh, _spec, _stages, _vma
 from ._buckets import DEFAULT_BUCKET_MB
-from ._comm import untracked
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
 from ._layout import Layout, bind
 from ._mesh import Mesh
-from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active
+from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active, _ScaleCotangent
 from ._primitives import apply as _apply
 from ._sharded import Sharded, _global_shape_of_blocks, _tiling, from_dtensor, relayout
 from ._spec import ANONYMOUS, Spec, parse_spec
@@ -180,7 +179,8 @@ class _ShardMapped:
     ):
         functools.update_wrapper(self, f, updated=())
         self.f = f
-        self.mesh = mesh
+        self._mesh = mesh
+        self._mesh_text = mesh._text
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.check = check
@@ -194,6 +194,12 @@ class _ShardMapped:
         self._all_bits = mesh.bits(mesh.axis_names)
         self._out_specs_checked = False
         self._per_rank: dict = {}  # treedef -> the treedef f sees (fs.PerRank values unwrapped, _stages)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh; while compiling, read through a global (`_mesh.by_text`) so that Dynamo
+        specializes its sizes and coordinates."""
+        return _mesh.by_text(self._mesh_text) if _compile.compiling() else self._mesh
 
     def __repr__(self) -> str:
         return f"shard_map({self.name}, mesh={self.mesh!r})"
@@ -574,31 +580,6 @@ def _vary_out(x, p: _OutPlan, tr):
     if p.allowed & ~v:
         return _vma.pvary(x, tr, v, v | p.allowed)
     return x
-
-
-class _ScaleCotangent(torch.autograd.Function):
-    """Identity forward; the backward multiplies the cotangent by ``scale`` (``check=False``)."""
-
-    @staticmethod
-    def forward(x, scale):
-        with untracked():
-            return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.scale = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return ct * ctx.scale, None
-
-    @staticmethod
-    def jvp(ctx, x_t, _):  # the forward is the identity
-        return x_t.clone()
-
-    @staticmethod
-    def vmap(info, in_dims, x, scale):
-        return _apply(_ScaleCotangent, x, scale), in_dims[0]
 
 
 def _scale_unchecked(leaves: list, plans, tr) -> list:
