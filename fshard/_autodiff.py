@@ -8,6 +8,7 @@ import optree
 import torch
 
 from . import _buckets, _vma
+from ._comm import untracked
 from ._errors import FshardError
 from ._primitives import _functorch_active
 from ._sharded import Sharded
@@ -16,12 +17,24 @@ __all__ = ["value_and_grad", "grad"]
 
 
 def _prepare(tree):
+    tr = _vma.active()
+    if tr is None:
+        return _prepare_in(tree, None)
+    # Inside shard_map: the bookkeeping below is not the user's computation, so it runs unseen by
+    # the tracking mode (every attribute read and op per leaf would otherwise go through it); the
+    # new tensors get their varying axes explicitly.
+    with untracked():
+        return _prepare_in(tree, tr)
+
+
+def _prepare_in(tree, tr):
     leaves, treedef = optree.tree_flatten(tree)
     prim, new = [], []
-    tr = _vma.active()
     for x in leaves:
         if isinstance(x, Sharded):
             t = x.local.detach().requires_grad_(True)
+            if tr is not None:
+                _vma.tag(t, tr, _vma.get(x.local, tr))
             prim.append(t)
             new.append(x._like(t))
         elif isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):

@@ -264,7 +264,8 @@ class BoundaryState:
         self._reduce(key[0], idx, cts)
 
     def _reduce(self, g: AxisGroup, idx: list, cts: list) -> None:
-        flat = torch.cat([c.reshape(-1) for c in cts])  # a copy: ct may be shared with other grads
+        # a copy (ct may be shared with other grads): one C++ call for a bucket of many
+        flat = _flatten(cts) if len(cts) > 1 else torch.cat([cts[0].reshape(-1)])
         with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
             work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
         self.launched.append((work, flat, idx, [c.shape for c in cts], _comm.issued()))
@@ -283,12 +284,18 @@ class BoundaryState:
             if work is not None:
                 _comm.wait_work(work, rec)  # marked as a wait in that collective (hang reports)
             offset = 0
+            dtypes = self.dtypes
             for i, shape in zip(idx, shapes):
                 n = shape.numel()
-                red = flat[offset : offset + n].view(shape).to(self.dtypes[i])
+                red = flat[offset : offset + n].view(shape)
+                if red.dtype != dtypes[i]:
+                    red = red.to(dtypes[i])
                 offset += n
                 grads[i] = red if grads[i] is None else grads[i] + red
 
+
+_flatten = torch._C._nn.flatten_dense_tensors
+"""One flat copy of a list of tensors (of one dtype and device), made in C++."""
 
 _graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 """The id of the running backward (autograd graph task), -1 outside one."""
@@ -320,7 +327,9 @@ class TwinTap(torch.autograd.Function):
             return None, None, ct
         with untracked():
             state.begin()
-            ct = ct.to(state.reduce_dtype or state.dtypes[i])
+            dtype = state.reduce_dtype or state.dtypes[i]
+            if ct.dtype != dtype:
+                ct = ct.to(dtype)
             hit = _take_pending(leaf) if leaf is not None and _PENDING else None
             if hit is not None:
                 ct = ct + hit[1]
@@ -371,14 +380,14 @@ class GradBoundary(torch.autograd.Function):
             vis, twin = cts[2 * i], cts[2 * i + 1]
             g = state.groups[i]
             dtype = state.dtypes[i]
-            grads[i] = None if vis is None else vis.to(dtype)
+            grads[i] = vis if vis is None or vis.dtype == dtype else vis.to(dtype)
             if differentiable:  # create_graph: keep the reduction differentiable, nothing deferred
                 if twin is not None and g is not None:
                     red = apply(AllReduce, twin, g).to(dtype)
                     grads[i] = red if grads[i] is None else grads[i] + red
                 continue
             leaf = state.leaves[i]
-            if twin is not None and g is not None:
+            if twin is not None and g is not None and twin.dtype != (state.reduce_dtype or dtype):
                 twin = twin.to(state.reduce_dtype or dtype)
             if state.defer and leaf is not None:
                 if twin is not None and g is not None:

@@ -55,6 +55,7 @@ class Trace:
     __slots__ = (
         "mesh",
         "pvary_cache",
+        "cast_groups",
         "where",
         "id",
         "_mode",
@@ -71,6 +72,7 @@ class Trace:
         self.mesh = mesh
         self.where = where
         self.pvary_cache: dict = {}
+        self.cast_groups: dict = {}  # missing axes (bits) -> the AxisGroup pvary sums over (eager)
         self.id = _compile.next_id()
         # made while torch.compile traces: a constant of the trace, read on the per-op path
         # instead of calling torch.compiler.is_compiling() for every op
@@ -252,7 +254,11 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     hit = tr.pvary_cache.get(key)
     if hit is not None:
         return hit[1]
-    g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
+    g = tr.cast_groups.get(missing)
+    if g is None:
+        g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
+        if not tr.compiled:  # (compiled: the mesh's own cache, which Dynamo reads as a constant)
+            tr.cast_groups[missing] = g
     twin = tr.twins.get(id(x)) if tr.twins else None
     if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
         # a tensor behind a GradBoundary (or an invariant function of one): its twin is the
@@ -338,6 +344,9 @@ class VmaMode(TorchFunctionMode):
         union = 0
         first = -1
         mixed = False
+        # the axes every operand that needs a gradient varies over (all bits: none needs one); only
+        # such an operand varying less than the union is cast (pvary passes the others through)
+        low = -1
         scalars = False  # a tracked number among the operands: torch gets its plain value
         for seq in (args, kwargs.values()) if kwargs else (args,):
             for a in seq:
@@ -347,6 +356,8 @@ class VmaMode(TorchFunctionMode):
                         v = t[1]
                     else:  # untagged or stale: invariant, unless a torch.func transform hides a tag
                         v = _hidden(a, tr)
+                    if a.requires_grad:
+                        low &= v
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
                         if isinstance(b, _Tensor):
@@ -355,6 +366,8 @@ class VmaMode(TorchFunctionMode):
                                 v = t[1]
                             else:
                                 v = _hidden(b, tr)
+                            if b.requires_grad:
+                                low &= v
                         elif type(b) in _CARRIERS:
                             v = _scan(b, tid)
                             if not v:
@@ -384,7 +397,7 @@ class VmaMode(TorchFunctionMode):
             args = _plain_args(args)
             if kwargs:
                 kwargs = {k: _plain_args(v) for k, v in kwargs.items()}
-        if mixed and torch.is_grad_enabled():
+        if mixed and low & union != union and torch.is_grad_enabled():
             if kind is _INPLACE:
                 _check_inplace(func, tr, args, union)
                 args = (args[0], *_cast_args(args[1:], tr, union))
