@@ -126,18 +126,28 @@ _COLLECTIVE_NS = ("c10d::", "_c10d_functional::", "c10d_functional::")
 def count_collectives(step) -> dict[str, int]:
     """Collective ops of one call of ``step``, from the torch profiler's CPU events (eager and
     compiled code alike call them through the dispatcher): ``c10d::*`` (torch.distributed, DDP,
-    FSDP2) and ``_c10d_functional::*`` (DTensor, compiled graphs); waits are not counted."""
+    FSDP2) and ``_c10d_functional::*`` (DTensor, compiled graphs), the outermost one only (a
+    functional collective runs a ``c10d`` one); waits are not counted."""
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     dist.barrier()
-    ops = Counter(
-        e.name
-        for e in prof.events()
-        if e.name.startswith(_COLLECTIVE_NS) and "wait" not in e.name and "barrier" not in e.name
-    )
+
+    def collective(e) -> bool:
+        skip = ("wait", "barrier", "_wrap_tensor_autograd")
+        return e.name.startswith(_COLLECTIVE_NS) and not any(s in e.name for s in skip)
+
+    def outermost(e) -> bool:  # a functional collective calls the c10d op inside it: counted once
+        parent = e.cpu_parent
+        while parent is not None:
+            if collective(parent):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    ops = Counter(e.name for e in prof.events() if collective(e) and outermost(e))
     return dict(sorted(ops.items()))
 
 

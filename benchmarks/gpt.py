@@ -515,14 +515,19 @@ def _module_tp_dim(name: str) -> int:
 def dtensor_tp_ddp(ctx: Ctx, backend: str | None = None) -> Prepared:
     """``parallelize_module`` (Colwise q/k/v/w1, Rowwise wo/w2) over tp, then DDP over dp (torch's
     TP + DDP composition: ``_pre_dp_module_transform`` turns the DTensor parameters into local ones);
-    with ``backend``, ``torch.compile`` of the DDP module."""
+    with ``backend``, every block compiled after TP (torchtitan's recipe; ``torch.compile`` of the
+    whole DDP module failed in its second backward in torch 2.13: "backward through the graph a
+    second time")."""
     from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     su = Setup(ctx)
     model = _tp_module(su, ctx.weights)
+    if backend is not None:  # torchtitan's order: TP, then each block compiled, then data parallel
+        for blk in model.blocks:
+            blk.compile(backend=backend)
     _pre_dp_module_transform(model)
-    wrapped = _compiled(DDP(model, process_group=su.dp_group), backend)
+    wrapped = DDP(model, process_group=su.dp_group)
     params = list(model.parameters())
     opt = ctx.make_optimizer(params)
     step = _module_step(wrapped, params, su.local_tokens, su.cfg, opt)
