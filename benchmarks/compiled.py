@@ -1,23 +1,36 @@
-"""Compiled data-parallel GPT steps: compiled fshard against eager fshard and compiled DDP.
+"""Compiled GPT steps: compiled fshard against eager fshard and the compiled torch-native recipe.
 
 Not part of ``benchmarks.run`` (compiling takes tens of seconds per contender on a small CPU
-machine): the compiled column of issue "compiled sharded steps", for the demo's GPT in the
-data-parallel layout. One step = forward, backward, gradients complete (no optimizer), on the
-global batch split over ``dp``:
+machine): the compiled column of issue "compiled sharded steps", for the demo's GPT (one tensor per
+parameter, ``benchmarks/gpt.py``) in three layouts. One step = zero the gradients, forward,
+backward, gradients complete (no optimizer), on the global batch split over ``dp``. The contenders
+are the builders of ``benchmarks.gpt`` and ``benchmarks.fshard_contenders`` (the same models as
+``benchmarks.run``'s GPT benchmarks), eager and compiled:
 
-* ``fshard eager``: ``fs.shard_map(loss_fn)`` then ``loss.backward()`` (gradients in buckets);
-* ``fshard compiled``: the same function under ``fs.compile`` (``torch.compile`` with
-  ``fullgraph=True``, the backward traced, and with inductor the gradient all-reduces bucketed;
-  see docs/tutorial/09-compiling.md);
-* ``DDP eager`` and ``DDP compiled``: ``DistributedDataParallel`` over the ``nn.Module`` GPT, and
-  ``torch.compile`` of the DDP module with ``loss.backward()`` outside (Dynamo's DDP optimizer
-  splits the graph at bucket boundaries so that the all-reduces overlap the backward).
+* ``--layout dp``: fshard (``fs.shard_map(loss_fn)``, ``loss.backward()``) eager and under
+  ``fs.compile`` (one graph, backward traced, gradient all-reduces bucketed by inductor); DDP eager
+  and ``torch.compile(DDP(module))`` with ``loss.backward()`` outside (Dynamo's DDP optimizer splits
+  the graph at the bucket boundaries). Reference: DDP compiled.
+* ``--layout fsdp``: fshard with one ``fs.all_gather`` per split parameter at the top of the step
+  (``fs.fsdp_scan`` is refused under compile), eager, compiled, and compiled with inductor's
+  all-gather / reduce-scatter bucketing (``bucket_all_gathers_fx`` / ``bucket_reduce_scatters_fx``
+  = "all", default size cap); FSDP2 (``fully_shard`` per block and the root) eager and with
+  ``torch.compile`` of the root module, backward outside. Reference: FSDP2 compiled.
+* ``--layout dp_tp``: mesh (dp, tp=2) (dp = 1 on 2 ranks: pure tensor parallelism); fshard with the
+  demo's dp x tp specs, eager and compiled; DTensor TP (``parallelize_module``) + DDP over dp, eager
+  and ``torch.compile`` of the DDP module. Reference: DTensor compiled.
 
-Each compiled contender is compiled on its first call (timed: "compile s"), checked against the
-eager fshard gradients, then all are timed in interleaved rounds. Rank 0 prints the median and
-minimum time per step, the ratio to compiled DDP, the first-call time and the graph count.
+Every contender's loss and gradients (gathered to full tensors, the demo's layout) are checked
+against eager fshard's before timing: a contender with a missing or wrong gradient is an error, not
+a result. Then all are timed in interleaved rounds (each round a different rotation). Rank 0
+prints per contender the median and minimum wall time per step, the ratio to the reference, the
+first call (in the timing run, compiled one after the other), the number of graphs Dynamo compiled
+on it, and the collectives of one step (torch profiler events of the c10d / functional collective
+ops; bucketed collectives count once). Unless ``--no-first-alone``, each compiled contender's first
+call is also timed alone, in fresh processes with inductor's caches off, with Dynamo's tracing and
+the C++ compiler's seconds.
 
-    python -m benchmarks.compiled --world 2 --model demo --backend inductor
+    python -m benchmarks.compiled --world 2 --model demo --layout dp --rounds 9 --steps 3
 """
 
 from __future__ import annotations
@@ -25,75 +38,133 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import fshard as fs
 
 from . import gpt
 
+REFERENCE = {"dp": "DDP compiled", "fsdp": "FSDP2 compiled", "dp_tp": "DTensor compiled"}
+BUCKET_AG_RS = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
 
-def _fshard(cfg, weights, tokens):
-    from fshard_demo.model import loss_fn, param_specs
 
-    mesh = fs.Mesh(dp=dist.get_world_size(), tp=1)
-    specs = param_specs(cfg, "dp")
-    flat = {n: w.clone().requires_grad_(True) for n, w in weights.items()}
-    params = gpt.to_tree(flat, cfg)
-    f = fs.shard_map(lambda p, t: loss_fn(p, t, cfg), mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs="")
+def contenders(layout: str) -> list[str]:
+    """The contenders of ``layout``, in the order they are built and first called."""
+    native = {"dp": "DDP", "fsdp": "FSDP2", "dp_tp": "DTensor"}[layout]
+    out = ["fshard eager", "fshard compiled"]
+    if layout == "fsdp":
+        out.append("fshard compiled ag/rs buckets")
+    return out + [f"{native} eager", f"{native} compiled"]
 
-    def step(params, tokens):
+
+def _ctx(layout: str, model: str, batch: int, weights, tokens):
+    from .common import Ctx
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = _ctx.__dict__.get("mesh")
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = _ctx.__dict__["mesh"] = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
+    return Ctx(
+        rank,
+        world,
+        dist.group.WORLD,
+        mesh,
+        f"gpt_{layout}",
+        {"model": model, "batch": batch},
+        None,
+        {k: v.clone() for k, v in weights.items()},
+        {"tokens": tokens.clone()},
+    )
+
+
+def _fshard(ctx, backend: str | None, options: dict | None = None):
+    """The fshard step; with ``backend``, the loss and ``loss.backward()`` under ``fs.compile`` (the
+    gradients set to None outside, as every contender does inside its step)."""
+    from .common import Prepared
+    from .fshard_contenders import _gather_per_leaf, _gpt_values, gpt_loss
+
+    gather = _gather_per_leaf if ctx.bench == "gpt_fsdp" else None
+    f, params, tokens, flat = gpt_loss(ctx, gather=gather)
+    locals_ = [p.local for p in flat.values()]
+
+    def inner(params, tokens):
         loss = f(params, tokens)
         loss.backward()
         return loss.detach()
 
-    def grads():
-        return {n: t.grad for n, t in flat.items()}
-
-    def zero():
-        for t in flat.values():
-            t.grad = None
-
-    return step, (params, tokens), grads, zero
-
-
-def _ddp(cfg, weights, tokens, backend=None):
-    """DDP's step; with ``backend``, ``torch.compile(DDP(module))`` (the documented way: Dynamo's DDP
-    optimizer splits the forward graph at the bucket boundaries, the backward runs the compiled
-    backward graphs with DDP's hooks). Compiling a step that calls ``loss.backward()`` on a DDP
-    module with ``trace_autograd_ops`` is not a contender: in torch 2.13 it leaves every ``.grad``
-    None and issues no all-reduce (every contender's gradients are checked in ``_rank``)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    module = gpt.make_module(cfg, weights)
-    model = DDP(module)
     if backend is not None:
-        model = torch.compile(model, backend=backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = tokens.tensor_split(world)[rank].contiguous()
-    n_ans = cfg.digits + 1
+        # a code object of its own: Dynamo caches graphs per code object, and two compiled variants
+        # (with and without extra inductor options) must not share one
+        inner.__code__ = inner.__code__.replace(co_name=f"fshard_step_{len(options or {})}")
+        inner = fs.compile(inner, backend=backend, options=options)
 
-    def step(model, local):
-        logits = model(local[:, :-1])[:, -n_ans:]
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), local[:, -n_ans:].reshape(-1))
-        loss.backward()
-        return loss.detach()
+    def step():
+        for t in locals_:
+            t.grad = None
+        return inner(params, tokens)
 
-    def zero():
-        module.zero_grad(set_to_none=True)
+    return Prepared(step, _gpt_values(ctx, lambda: {n: p.grad for n, p in flat.items()}))
 
-    def grads():
-        named = dict(module.named_parameters())
-        out = {}
-        for n in weights:
-            mn, t = gpt.module_name(n)
-            g = named[mn].grad
-            out[n] = None if g is None else (g.T if t else g)
-        return out
 
-    return step, (model, local), grads, zero
+def build(name: str, ctx, backend: str):
+    """Contender ``name`` (see ``contenders``) on ``ctx``: a ``Prepared``."""
+    compiled = backend if name.endswith(("compiled", "buckets")) else None
+    if name.startswith("fshard"):
+        return _fshard(ctx, compiled, BUCKET_AG_RS if name.endswith("buckets") else None)
+    native = {"DDP": gpt.ddp, "FSDP2": gpt.fsdp2, "DTensor": gpt.dtensor_tp_ddp}[name.split()[0]]
+    return native(ctx, backend=compiled)
+
+
+_COLLECTIVE_NS = ("c10d::", "_c10d_functional::", "c10d_functional::")
+
+
+def count_collectives(step) -> dict[str, int]:
+    """Collective ops of one call of ``step``, from the torch profiler's CPU events (eager and
+    compiled code alike call them through the dispatcher): ``c10d::*`` (torch.distributed, DDP,
+    FSDP2) and ``_c10d_functional::*`` (DTensor, compiled graphs), the outermost one only (a
+    functional collective runs a ``c10d`` one); waits are not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    dist.barrier()
+
+    def collective(e) -> bool:
+        skip = ("wait", "barrier", "_wrap_tensor_autograd")
+        return e.name.startswith(_COLLECTIVE_NS) and not any(s in e.name for s in skip)
+
+    def outermost(e) -> bool:  # a functional collective calls the c10d op inside it: counted once
+        parent = e.cpu_parent
+        while parent is not None:
+            if collective(parent):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    ops = Counter(e.name for e in prof.events() if collective(e) and outermost(e))
+    return dict(sorted(ops.items()))
+
+
+def _check(name: str, got: dict, ref: dict) -> None:
+    for k in ref:
+        if got.get(k) is None:
+            raise AssertionError(f"{name}: no value for {k}")
+        torch.testing.assert_close(
+            got[k], ref[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{name}: {k}: {m}"
+        )
+
+
+def _values(name: str, prep, loss) -> dict:
+    try:
+        return prep.values(loss)
+    except (AttributeError, TypeError) as e:  # a None gradient where a tensor was expected
+        raise AssertionError(f"{name}: gradients missing ({type(e).__name__}: {e})") from e
 
 
 def _compile_stats() -> dict[str, float]:
@@ -109,125 +180,124 @@ def _compile_stats() -> dict[str, float]:
     return out
 
 
-def _first_call(which: str, model: str, batch: int, backend: str) -> dict[str, float]:
+def _inputs(model: str, batch: int):
+    cfg = gpt.MODELS[model]
+    return gpt.make_weights(cfg), gpt.make_tokens(cfg, batch)["tokens"]
+
+
+def _first_call(layout: str, name: str, model: str, batch: int, backend: str) -> dict[str, float]:
     """One compiled contender's first call, in fresh processes with inductor's caches off (kernels
     compiled for an earlier contender in the same process would otherwise be reused)."""
     torch.manual_seed(0)
     torch._inductor.config.compile_threads = 1
     torch._inductor.config.force_disable_caches = True
-    cfg = gpt.MODELS[model]
-    weights = gpt.make_weights(cfg)
-    tokens = gpt.make_tokens(cfg, batch)["tokens"]
-    if which == "fshard compiled":
-        step, args, _, zero = _fshard(cfg, weights, tokens)
-        step = fs.compile(step, backend=backend)
-    else:
-        step, args, _, zero = _ddp(cfg, weights, tokens, backend=backend)
+    weights, tokens = _inputs(model, batch)
+    prep = build(name, _ctx(layout, model, batch, weights, tokens), backend)
     dist.barrier()
     t0 = time.perf_counter()
-    step(*args)
+    prep.step()
     dist.barrier()
     return {"first": time.perf_counter() - t0, **_compile_stats()}
 
 
-def _rank(model: str, batch: int, steps: int, rounds: int, backend: str) -> dict:
+def _rank(layout: str, model: str, batch: int, steps: int, rounds: int, backend: str) -> dict:
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 4
     torch._inductor.config.compile_threads = 1  # the ranks share the machine's cores
-    cfg = gpt.MODELS[model]
-    weights = gpt.make_weights(cfg)
-    tokens = gpt.make_tokens(cfg, batch)["tokens"]
-    fe_step, fe_args, fe_grads, fe_zero = _fshard(cfg, weights, tokens)
-    fc_step, fc_args, fc_grads, fc_zero = _fshard(cfg, weights, tokens)
-    de_step, de_args, de_grads, de_zero = _ddp(cfg, weights, tokens)
-    dc_step, dc_args, dc_grads, dc_zero = _ddp(cfg, weights, tokens, backend=backend)
-    compiled_fs = fs.compile(fc_step, backend=backend)
-    contenders = {
-        "fshard eager": (lambda: fe_step(*fe_args), fe_zero),
-        "fshard compiled": (lambda: compiled_fs(*fc_args), fc_zero),
-        "DDP eager": (lambda: de_step(*de_args), de_zero),
-        "DDP compiled": (lambda: dc_step(*dc_args), dc_zero),
-    }
+    weights, tokens = _inputs(model, batch)
+    names = contenders(layout)
+    preps = {n: build(n, _ctx(layout, model, batch, weights, tokens), backend) for n in names}
     first: dict[str, float] = {}
-    from torch._dynamo.utils import counters
-
     graphs: dict[str, int] = {}
-    for name, (step, zero) in contenders.items():
+    vals: dict[str, dict] = {}
+    for name in names:
         before = counters["stats"]["unique_graphs"]
-        zero()
         dist.barrier()
         t0 = time.perf_counter()
-        step()
+        loss = preps[name].step()
         dist.barrier()
         first[name] = time.perf_counter() - t0
         graphs[name] = counters["stats"]["unique_graphs"] - before
-    # every contender's gradients are the eager fshard ones (fp32 tolerance; DDP averages over ranks
-    # as the fshard loss, a mean over the global batch, does)
-    eager = fe_grads()
-    for label, got in (
-        ("fshard compiled", fc_grads()),
-        ("DDP eager", de_grads()),
-        ("DDP compiled", dc_grads()),
-    ):
-        for n in eager:
-            if got[n] is None:
-                raise AssertionError(f"{label}: no gradient for {n}")
-            torch.testing.assert_close(got[n], eager[n], rtol=1e-4, atol=1e-5, msg=f"{label}: {n}")
-    times: dict[str, list[float]] = {k: [] for k in contenders}
-    names = list(contenders)
+        vals[name] = _values(name, preps[name], loss)
+    # every contender's loss and gradients are eager fshard's (fp32 tolerance)
+    for name in names[1:]:
+        _check(name, vals[name], vals["fshard eager"])
+    del vals
+    times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            step, zero = contenders[name]
+            step = preps[name].step
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
-                zero()
                 step()
             dist.barrier()
             times[name].append((time.perf_counter() - t0) / steps)
+    comms = {name: count_collectives(preps[name].step) for name in names}
     recompiles = counters["stats"]["unique_graphs"] - sum(graphs.values())
-    return {"times": times, "first": first, "graphs": graphs, "recompiles": recompiles}
+    return {"times": times, "first": first, "graphs": graphs, "comms": comms, "recompiles": recompiles}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--model", default="demo", choices=sorted(gpt.MODELS))
+    ap.add_argument("--layout", default="dp", choices=sorted(REFERENCE))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument(
+        "--no-first-alone",
+        action="store_true",
+        help="skip timing each compiled contender's first call alone in fresh processes",
+    )
     a = ap.parse_args()
-    res = fs.launch(_rank, a.world, (a.model, a.batch, a.steps, a.rounds, a.backend), timeout=3600)[0]
-    firsts = {
-        name: fs.launch(_first_call, a.world, (name, a.model, a.batch, a.backend), timeout=3600)[0]
-        for name in ("fshard compiled", "DDP compiled")
-    }
+    dp, tp = gpt.mesh_shape(a.layout, a.world)
+    run_args = (a.layout, a.model, a.batch, a.steps, a.rounds, a.backend)
+    res = fs.launch(_rank, a.world, run_args, timeout=3600)[0]
+    firsts = {}
+    if not a.no_first_alone:
+        for name in contenders(a.layout):
+            if name.endswith(("compiled", "buckets")):
+                args = (a.layout, name, a.model, a.batch, a.backend)
+                firsts[name] = fs.launch(_first_call, a.world, args, timeout=3600)[0]
     cfg = gpt.MODELS[a.model]
+    ref_name = REFERENCE[a.layout]
+    with open("/proc/loadavg") as fh:
+        load = " ".join(fh.read().split()[:3])
     print(
-        f"model {a.model} ({cfg.n_params / 1e6:.2f}M parameters), batch {a.batch}, world {a.world}, "
-        f"backend {a.backend}; graphs compiled after the first calls: {res['recompiles']}"
+        f"layout {a.layout} (mesh dp={dp} x tp={tp}), model {a.model} ({cfg.n_params / 1e6:.2f}M "
+        f"parameters), batch {a.batch}, world {a.world}, backend {a.backend}, {a.rounds} rounds x "
+        f"{a.steps} steps; graphs compiled after the first calls: {res['recompiles']}; load {load}"
     )
     print(
-        f"{'contender':16s} {'median ms':>9s} {'min ms':>8s} {'vs DDP compiled':>15s} {'first call s':>12s} {'graphs':>6s}"
+        f"{'contender':30s} {'median ms':>9s} {'min ms':>8s} {'vs ' + ref_name:>20s} "
+        f"{'first call s':>12s} {'graphs':>6s} {'collectives':>11s}"
     )
-    # first call: in the timing run (compiled contenders compiled one after the other, caches on)
-    ref = statistics.median(res["times"]["DDP compiled"])
+    ref = statistics.median(res["times"][ref_name])
     for name, ts in res["times"].items():
         med = statistics.median(ts)
         print(
-            f"{name:16s} {1e3 * med:9.2f} {1e3 * min(ts):8.2f} {med / ref:15.3f} "
-            f"{res['first'][name]:12.1f} {res['graphs'][name]:6d}"
+            f"{name:30s} {1e3 * med:9.2f} {1e3 * min(ts):8.2f} {med / ref:20.3f} "
+            f"{res['first'][name]:12.1f} {res['graphs'][name]:6d} {sum(res['comms'][name].values()):11d}"
         )
-    print(
-        "first call alone (fresh processes, inductor caches off): seconds; of which Dynamo tracing, C++ compiler"
-    )
-    ref_first = firsts["DDP compiled"]["first"]
-    for name, st in firsts.items():
+    print("collectives of one step (rank 0):")
+    for name, ops in res["comms"].items():
+        print(f"  {name:30s} " + ", ".join(f"{k} x{v}" for k, v in ops.items()))
+    if firsts:
         print(
-            f"{name:16s} {st['first']:6.1f} s ({st['first'] / ref_first:.2f}x DDP compiled); "
-            f"tracing {st['trace']:.1f} s, C++ {st['cc']:.1f} s"
+            "first call alone (fresh processes, inductor caches off): seconds; of which Dynamo "
+            "tracing, C++ compiler"
         )
+        ref_first = firsts[ref_name]["first"]
+        for name, st in firsts.items():
+            print(
+                f"{name:30s} {st['first']:6.1f} s ({st['first'] / ref_first:.2f}x {ref_name}); "
+                f"tracing {st['trace']:.1f} s, C++ {st['cc']:.1f} s"
+            )
 
 
 if __name__ == "__main__":

@@ -251,7 +251,27 @@ def _gpt_setup(ctx: Ctx):
     return su, mesh, specs, fsdp_dims(specs), flat
 
 
-def _gpt_values(ctx: Ctx, su, grads):
+def gpt_loss(ctx: Ctx, bucket_mb: float | None = None, gather=None):
+    """The layout's loss as ``f = fs.shard_map(loss_fn)``: ``(f, params, tokens, flat)``, called as
+    ``f(params, tokens)``; ``flat`` maps every demo name to its ``Sharded`` parameter (whose local
+    tensor collects ``.grad``). ``gather(params, dims)``: FSDP without ``fs.fsdp_scan`` (the split
+    parameters gathered at the top of the step, then the demo's plain forward)."""
+    from fshard_demo.model import loss_fn
+
+    from . import gpt
+
+    su, mesh, specs, dims, flat = _gpt_setup(ctx)
+    cfg = su.cfg
+    kw = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+    if gather is None:
+        body = lambda p, t: loss_fn(p, t, cfg, dims)  # noqa: E731
+    else:
+        body = lambda p, t: loss_fn(gather(p, dims), t, cfg)  # noqa: E731
+    f = fs.shard_map(body, mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs="", **kw)
+    return f, gpt.to_tree(flat, cfg), su.tokens, flat
+
+
+def _gpt_values(ctx: Ctx, grads):
     from . import gpt
 
     def values(loss):
@@ -265,20 +285,9 @@ def _gpt_values(ctx: Ctx, su, grads):
 def _gpt_backward(ctx: Ctx, bucket_mb: float | None) -> Prepared:
     """``loss = shard_map(loss_fn)(params, tokens); loss.backward()``: gradients land in each parameter's
     local ``.grad`` (the data-parallel ones reduced in buckets of ``bucket_mb``)."""
-    from fshard_demo.model import loss_fn
-
-    from . import gpt
-
-    su, mesh, specs, dims, flat = _gpt_setup(ctx)
-    cfg = su.cfg
-    params = gpt.to_tree(flat, cfg)
+    f, params, tokens, flat = gpt_loss(ctx, bucket_mb=bucket_mb)
     locals_ = [p.local for p in flat.values()]
     opt = ctx.make_optimizer(locals_)
-    kw = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
-    f = fs.shard_map(
-        lambda p, t: loss_fn(p, t, cfg, dims), mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs="", **kw
-    )
-    tokens = su.tokens
 
     def step():
         for t in locals_:
@@ -289,7 +298,7 @@ def _gpt_backward(ctx: Ctx, bucket_mb: float | None) -> Prepared:
             opt.step()
         return loss
 
-    values = _gpt_values(ctx, su, lambda: {n: p.grad for n, p in flat.items()})
+    values = _gpt_values(ctx, lambda: {n: p.grad for n, p in flat.items()})
     return Prepared(step, values, lambda: ctx.memory_state(locals_, opt))
 
 
@@ -329,26 +338,16 @@ def gpt_fshard_vg(ctx: Ctx) -> Prepared:
         last["grads"] = grads
         return loss
 
-    values = _gpt_values(ctx, su, lambda: gpt.from_tree(last["grads"], cfg))
+    values = _gpt_values(ctx, lambda: gpt.from_tree(last["grads"], cfg))
     return Prepared(step, values)
 
 
 def _gpt_gathered(ctx: Ctx, gather) -> Prepared:
     """FSDP written without ``fs.fsdp_scan``: ``gather(params, dims)`` all-gathers the split parameters
     at the top of the step, then the demo's plain forward; ``loss.backward()``."""
-    from fshard_demo.model import loss_fn
-
-    from . import gpt
-
-    su, mesh, specs, dims, flat = _gpt_setup(ctx)
-    cfg = su.cfg
-    params = gpt.to_tree(flat, cfg)
+    f, params, tokens, flat = gpt_loss(ctx, gather=gather)
     locals_ = [p.local for p in flat.values()]
     opt = ctx.make_optimizer(locals_)
-    f = fs.shard_map(
-        lambda p, t: loss_fn(gather(p, dims), t, cfg), mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs=""
-    )
-    tokens = su.tokens
 
     def step():
         for t in locals_:
@@ -359,7 +358,7 @@ def _gpt_gathered(ctx: Ctx, gather) -> Prepared:
             opt.step()
         return loss
 
-    values = _gpt_values(ctx, su, lambda: {n: p.grad for n, p in flat.items()})
+    values = _gpt_values(ctx, lambda: {n: p.grad for n, p in flat.items()})
     return Prepared(step, values, lambda: ctx.memory_state(locals_, opt))
 
 

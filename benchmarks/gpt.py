@@ -457,21 +457,29 @@ def handwritten(ctx: Ctx) -> Prepared:
     return Prepared(step, values, state)
 
 
-def ddp(ctx: Ctx) -> Prepared:
-    """``DistributedDataParallel(GPT)`` over the dp group, default settings."""
+def _compiled(model: nn.Module, backend: str | None) -> nn.Module:
+    """``torch.compile(model, backend=backend)`` (the step's ``loss.backward()`` stays outside the
+    compiled forward), or ``model`` when ``backend`` is None."""
+    return model if backend is None else torch.compile(model, backend=backend)
+
+
+def ddp(ctx: Ctx, backend: str | None = None) -> Prepared:
+    """``DistributedDataParallel(GPT)`` over the dp group, default settings; with ``backend``,
+    ``torch.compile(DDP(GPT))`` (Dynamo's DDP optimizer splits the graph at the bucket boundaries)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     su = Setup(ctx)
     model = make_module(su.cfg, ctx.weights)
-    wrapped = DDP(model, process_group=su.dp_group)
+    wrapped = _compiled(DDP(model, process_group=su.dp_group), backend)
     params = list(model.parameters())
     opt = ctx.make_optimizer(params)
     step = _module_step(wrapped, params, su.local_tokens, su.cfg, opt)
     return Prepared(step, _module_values(ctx, su.cfg, model), lambda: ctx.memory_state(params, opt))
 
 
-def fsdp2(ctx: Ctx) -> Prepared:
-    """``fully_shard`` on every block, then on the root, over the dp mesh dim (torchtitan's recipe)."""
+def fsdp2(ctx: Ctx, backend: str | None = None) -> Prepared:
+    """``fully_shard`` on every block, then on the root, over the dp mesh dim (torchtitan's recipe);
+    with ``backend``, ``torch.compile`` of the root module."""
     from torch.distributed.fsdp import fully_shard
 
     su = Setup(ctx)
@@ -484,7 +492,7 @@ def fsdp2(ctx: Ctx) -> Prepared:
     fully_shard(model, mesh=mesh)
     params = list(model.parameters())
     opt = ctx.make_optimizer(params)
-    step = _module_step(model, params, su.local_tokens, su.cfg, opt)
+    step = _module_step(_compiled(model, backend), params, su.local_tokens, su.cfg, opt)
     return Prepared(step, _module_values(ctx, su.cfg, model), lambda: ctx.memory_state(params, opt))
 
 
@@ -504,14 +512,20 @@ def _module_tp_dim(name: str) -> int:
     return -1 if d < 0 else 1 - d
 
 
-def dtensor_tp_ddp(ctx: Ctx) -> Prepared:
+def dtensor_tp_ddp(ctx: Ctx, backend: str | None = None) -> Prepared:
     """``parallelize_module`` (Colwise q/k/v/w1, Rowwise wo/w2) over tp, then DDP over dp (torch's
-    TP + DDP composition: ``_pre_dp_module_transform`` turns the DTensor parameters into local ones)."""
+    TP + DDP composition: ``_pre_dp_module_transform`` turns the DTensor parameters into local ones);
+    with ``backend``, every block compiled after TP (torchtitan's recipe; ``torch.compile`` of the
+    whole DDP module failed in its second backward in torch 2.13: "backward through the graph a
+    second time")."""
     from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     su = Setup(ctx)
     model = _tp_module(su, ctx.weights)
+    if backend is not None:  # torchtitan's order: TP, then each block compiled, then data parallel
+        for blk in model.blocks:
+            blk.compile(backend=backend)
     _pre_dp_module_transform(model)
     wrapped = DDP(model, process_group=su.dp_group)
     params = list(model.parameters())

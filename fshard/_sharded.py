@@ -114,9 +114,10 @@ class Sharded:
     @property
     def shape(self) -> torch.Size:
         """The global shape."""
-        s = self._shape
-        if s is None:  # an even split: every block has the same shape
-            s = self._shape = torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
+        if (s := self._shape) is None:  # an even split: every block has the same shape
+            s = torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
+            if not torch.compiler.is_compiling():  # eager only: a store traced by Dynamo changes
+                self._shape = s  # what its guard read (``_shape is None``): a recompile next call
         return s
 
     @property
@@ -339,8 +340,7 @@ def _dst_group(mesh: Mesh, axes: tuple[str, ...], dst: int):
     g = mesh.axis_group(axes) if axes else None
     if g is not None and g.size > 1:
         g.group  # noqa: B018  (collective when the group is made on first use)
-    coord = _coord_of(mesh, dst)
-    mine = mesh.coordinate
+    coord, mine = _coord_of(mesh, dst), mesh.coordinate
     if any(mine[a] != coord[a] for a in mesh.axis_names if a not in axes):
         return None, 0, coord
     index = 0

@@ -437,3 +437,43 @@ def test_fs_compile_refuses_inductor_settings_for_another_backend():
         "fs.compile: options= and mode= are inductor's; backend='aot_eager' takes neither "
         "(leave them out, or use backend='inductor')"
     )
+
+
+def _rank_same_sharded_params():
+    """The same Sharded parameters passed to a compiled ``loss.backward()`` step again and again
+    (their local tensors collect ``.grad``, zeroed between steps): one graph for all the calls."""
+    import fshard as fs
+
+    torch._dynamo.reset()
+    errs: list[str] = []
+    dp = fs.Mesh(dp=N)
+    specs = {"w1": "(dp d) h", "w2": "(dp h) o"}
+    f = fs.shard_map(_fsdp_loss, mesh=dp, in_specs=(specs, "(dp b) d", "(dp b) o"), out_specs="")
+
+    def step(params, x, y):
+        loss = f(params, x, y)
+        loss.backward()
+        return loss.detach()
+
+    backend, stats = compile_counter()
+    compiled = fs.compile(step, backend=backend)
+    params = fs.shard(_init(), dp, specs)
+    for k, p in params.items():
+        params[k] = fs.Sharded(p.local.clone().requires_grad_(True), dp, specs[k])
+    for i in range(3):
+        for p in params.values():
+            p.local.grad = None
+        x, y = _batch(i)
+        loss = compiled(params, x, y)
+        X, Y = full(x), full(y)
+        want, want_loss = torch.func.grad_and_value(lambda p, X=X, Y=Y: mse(_mlp(p, X), Y))(_init())
+        close(errs, f"step {i}: loss vs one process", loss, want_loss)
+        for k, p in params.items():
+            close(errs, f"step {i}: grad {k} vs one process", p.grad.full(), want[k])
+    if stats["graphs"] != 1:
+        errs.append(f"{stats['graphs']} graphs for 3 calls with the same Sharded parameters, want 1")
+    return errs
+
+
+def test_compiled_step_takes_the_same_sharded_parameters_without_recompiling():
+    assert_ok(run_ranks(N, _rank_same_sharded_params, timeout=115))
