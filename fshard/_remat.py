@@ -37,11 +37,6 @@ def remat(fn):
 
     @functools.wraps(fn)
     def inner(*args, **kwargs):
-        _compile.refuse(
-            f"fs.remat({getattr(fn, '__name__', 'fn')})",
-            "drop fs.remat from the compiled step (torch.compile decides itself what the backward "
-            "keeps or recomputes), or call the step eagerly",
-        )
         if _functorch_active():
             # under torch.func transforms: computed once and kept (torch.func.grad, vjp, jacrev and
             # hessian do not support checkpoint's saved tensor hooks); the values are the same

@@ -1,0 +1,168 @@
+"""``fs.fsdp_scan`` and ``fs.remat`` under ``torch.compile(fullgraph=True)``, on real gloo ranks.
+
+The loss and gradients of an FSDP MLP (layers stored split over dp, gathered per layer by
+``fs.fsdp_scan``, or by ``fs.all_gather`` inside ``fs.remat``) are compiled once per rank job with
+an ``aot_eager`` backend that counts graphs and reads the collectives of the forward and backward
+graphs (min-cut partitioner, as ``aot_eager`` and inductor use), and compared with the eager call
+and with plain torch on the global tensors in one process. ``fullgraph=True`` makes a graph break
+an error; one graph means none. In the compiled backward each layer is gathered again (the
+gathered copy is recomputed, not kept), as eager does; the collectives are compared with what
+``fs.count_collectives`` counts for the eager call. World 2 (dp) and world 4 (dp x tp).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_ranks
+from tests.helpers import assert_ok, close, full, mse, randn
+
+D, F, L = 8, 12, 3  # model dim, hidden dim (tp layout), layers
+
+
+def _counter():
+    """``(backend, stats)``: aot_eager (min-cut partitioner) that counts the graphs Dynamo makes and
+    lists the ``_c10d_functional`` collectives of the forward and the backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    stats: dict = {"graphs": 0, "fw": [], "bw": []}
+
+    def capture(key):
+        def compiler(gm, example_inputs):
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and "_c10d_functional" in str(node.target):
+                    name = str(node.target).split(".")[-2]
+                    if name != "wait_tensor":
+                        stats[key].append(name)
+            return gm
+
+        return compiler
+
+    inner = aot_autograd(
+        fw_compiler=capture("fw"), bw_compiler=capture("bw"), partition_fn=min_cut_rematerialization_partition
+    )
+
+    def backend(gm, example_inputs):
+        stats["graphs"] += 1
+        return inner(gm, example_inputs)
+
+    return backend, stats
+
+
+def _eager_counts(vg, *args):
+    """The collectives of an eager call of ``vg`` (forward and backward together), by kind."""
+    import fshard as fs
+
+    with fs.count_collectives() as counted:
+        vg(*args)
+    return dict(counted.by_kind())
+
+
+def _compiled_counts(stats) -> dict:
+    out: dict = {}
+    for name in stats["fw"] + stats["bw"]:
+        kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+def _check(errs, name, compiled, eager, args, want, want_grads):
+    """Compare the compiled call (run twice: no recompile) with eager and with one process."""
+    for _ in range(2):
+        loss, grads = compiled(*args)
+    eager_loss, eager_grads = eager(*args)
+    close(errs, f"{name}: compiled loss vs one process", loss, want)
+    close(errs, f"{name}: compiled loss vs eager", loss, eager_loss)
+    got = [full(x) for x in _leaves(grads)]
+    ref = [full(x) for x in _leaves(eager_grads)]
+    if len(got) != len(want_grads):
+        errs.append(f"{name}: {len(got)} gradients, want {len(want_grads)}")
+    for i, (gc, ge, w) in enumerate(zip(got, ref, want_grads)):
+        close(errs, f"{name}: compiled grad {i} vs one process", gc, w)
+        close(errs, f"{name}: compiled grad {i} vs eager", gc, ge)
+
+
+def _leaves(tree):
+    import optree
+
+    import fshard as fs
+
+    return optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, fs.Sharded))
+
+
+# == world 2: one axis (dp) =================================================================
+
+
+def _dp_params():
+    return [{"w": randn(10 + i, D, D) / 3, "b": randn(20 + i, D) / 3} for i in range(L)]
+
+
+def _dp_layer(p, h):
+    return torch.tanh(h @ p["w"] + p["b"])
+
+
+def _dp_reference(blocks, x, y):
+    ref = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in blocks]
+    h = x
+    for p in ref:
+        h = _dp_layer(p, h)
+    want = mse(h, y)
+    return want, torch.autograd.grad(want, [p[k] for p in ref for k in sorted(p)])
+
+
+def _rank_dp():
+    import fshard as fs
+
+    torch._dynamo.reset()
+    errs: list[str] = []
+    out: dict = {}
+    mesh = fs.Mesh(dp=2)
+    blocks = _dp_params()
+    specs = [{"w": "(dp d) h", "b": "(dp h)"} for _ in blocks]
+    params = fs.shard(blocks, mesh, specs)
+    x, y = randn(1, 8, D), randn(2, 8, D)
+    want, want_grads = _dp_reference(blocks, x, y)
+
+    def scan_loss(blocks, x, y):
+        return fs.pmean(mse(fs.fsdp_scan(_dp_layer, blocks, x, "dp", dims=specs), y), "dp")
+
+    @fs.remat
+    def remat_layer(p, h):
+        return _dp_layer(fs.all_gather(p, "dp", dim=0, tiled=True), h)
+
+    def remat_loss(blocks, x, y):
+        h = x
+        for p in blocks:
+            h = remat_layer(p, h)
+        return fs.pmean(mse(h, y), "dp")
+
+    for name, body in (("fsdp_scan", scan_loss), ("remat", remat_loss)):
+        f = fs.shard_map(body, mesh=mesh, in_specs=(specs, "(dp b) d", "(dp b) d"), out_specs="")
+        vg = fs.value_and_grad(f)
+        backend, stats = _counter()
+        compiled = fs.compile(vg, backend=backend)
+        _check(errs, name, compiled, vg, (params, x, y), want, want_grads)
+        out[name] = {
+            "graphs": stats["graphs"],
+            "fw": sorted(stats["fw"]),
+            "bw": sorted(stats["bw"]),
+            "compiled": _compiled_counts(stats),
+            "eager": _eager_counts(vg, params, x, y),
+        }
+    return errs, out
+
+
+@pytest.mark.timeout(200)  # two compilations per rank on a shared 2-core machine
+def test_fsdp_scan_and_remat_compile_with_eager_values_and_collectives_dp():
+    got = run_ranks(2, _rank_dp, timeout=180)
+    assert_ok([errs for errs, _ in got])
+    for _, out in got:
+        for name in ("fsdp_scan", "remat"):
+            assert out[name]["graphs"] == 1, name  # fullgraph, no recompile
+            # forward: one gather per layer and the pmean; backward: each layer gathered again
+            # (its gathered copy is recomputed, not kept) and its gradients reduce-scattered
+            assert out[name]["fw"] == ["all_gather_into_tensor"] * L + ["all_reduce"], name
+            assert out[name]["bw"] == ["all_gather_into_tensor"] * L + ["reduce_scatter_tensor"] * L, name
+            assert out[name]["compiled"] == out[name]["eager"], name
