@@ -14,6 +14,7 @@ import functools
 import torch.utils.checkpoint
 
 from . import _compile, _vma
+from ._errors import TracingError
 from ._primitives import _functorch_active
 
 __all__ = ["remat"]
@@ -37,6 +38,14 @@ def remat(fn):
 
     @functools.wraps(fn)
     def inner(*args, **kwargs):
+        if _compile.compiling() and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
+            _compile.fail(
+                TracingError,
+                f"fs.remat({getattr(fn, '__name__', 'fn')}) under torch.compile needs "
+                "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (fshard "
+                "tags the values computed inside it, a trace-time side effect the recomputation in "
+                "the backward need not replay); compile with fs.compile, which sets it, or set it",
+            )
         if _functorch_active():
             # under torch.func transforms: computed once and kept (torch.func.grad, vjp, jacrev and
             # hessian do not support checkpoint's saved tensor hooks); the values are the same
