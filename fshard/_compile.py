@@ -37,7 +37,16 @@ import torch
 
 from ._errors import TracingError
 
-__all__ = ["compiling", "refuse", "check_call", "fail", "hide_jvp", "mark_backward", "next_id", "allow_cached"]
+__all__ = [
+    "compiling",
+    "refuse",
+    "check_call",
+    "fail",
+    "hide_jvp",
+    "mark_backward",
+    "next_id",
+    "allow_cached",
+]
 
 compiling = torch.compiler.is_compiling
 """Whether Dynamo is tracing the running code (a constant True in traced code, False in eager)."""

@@ -76,6 +76,16 @@ def fsdp_scan(
     padded to the longest block and are cut back, and so do their gradients; the scan then
     first compares its leaves' block shapes across ``axis`` (one small all-gather per call).
 
+    Under ``torch.compile`` (``fs.compile``, or ``torch.compile(fullgraph=True)``) each layer's
+    gather, one all-gather per dtype, is a ``torch.utils.checkpoint`` region whose every op must
+    be recomputed (SimpleFSDP's recipe): the compiled backward gathers the layer again instead of
+    keeping the gathered copy, and its gradients leave in one reduce-scatter per dtype, the
+    collectives of the eager call. What the backward keeps: as eager, the sharded parameters and
+    no gathered copy; the layer's activations are kept or recomputed as torch.compile's
+    partitioner decides (eager keeps them). When each gather runs and its result is freed is the
+    compiled graph's order (inductor may reorder it): the eager prefetch is not reproduced.
+    Uneven blocks are refused under compile (as every shard_map input with uneven blocks).
+
     Under torch.func transforms (``vmap``, ``jvp``, ``grad``, ``jacrev``, ...) each split leaf is
     gathered by its own all-gather when its layer is reached (no prefetch; the gathered copies
     are kept for the backward): the transforms do not compose with the saved-tensor hooks.
@@ -352,9 +362,10 @@ def _scan_compiled(layer_fn, items, per_layer, lens, g: AxisGroup, tr, bits: int
         xs = [_vary(leaves[j], tr, v, bits) for j, v in zip(idx, vs)]
         groups = list(_by_dtype(xs, range(len(xs))).values())
         dims = [tuple(ldims[idx[k]] for k in grp) for grp in groups]
-        ys = torch.utils.checkpoint.checkpoint(
-            _gather_groups, g, groups, dims, *xs, use_reentrant=False, context_fn=_recompute_gathers
-        )
+        with untracked():  # the region untracked (the outputs are tagged below)
+            ys = torch.utils.checkpoint.checkpoint(
+                _gather_groups, g, groups, dims, *xs, use_reentrant=False, context_fn=_recompute_gathers
+            )
         for j, k, v in zip(idx, range(len(xs)), vs):
             y = ys[k]
             _vma.tag(y, tr, v | bits)

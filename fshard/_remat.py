@@ -29,6 +29,14 @@ def remat(fn):
     Under torch.func transforms (``vmap``, ``jvp``, ``grad``, ``jacrev``, ...) ``fn`` runs as
     is: its intermediates are kept (the transforms do not support recomputation hooks).
 
+    Under ``torch.compile`` it is ``torch.utils.checkpoint`` traced by Dynamo: the compiled
+    backward recomputes ``fn``, collectives included, from its inputs (a recomputed value the
+    backward does not use is dropped from the graph, so it may issue fewer collectives than
+    eager). fshard tags the values ``fn`` computes while tracing it, a side effect Dynamo
+    accepts inside a checkpoint only with
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True``: ``fs.compile``
+    sets it; under plain ``torch.compile`` set it, or fs.remat raises a TracingError saying so.
+
     Examples:
         >>> @fs.remat
         ... def layer(p_shard, h):

@@ -64,7 +64,9 @@ def _compiled_counts(stats, axes=("dp",)) -> dict:
     """The collectives of the compiled graphs, keyed as `_eager_counts` (all over ``axes``)."""
     out: dict = {}
     for name in stats["fw"] + stats["bw"]:
-        kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
+        kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(
+            name, name
+        )
         out[kind, axes] = out.get((kind, axes), 0) + 1
     return out
 
@@ -179,3 +181,50 @@ def test_fsdp_scan_and_remat_compile_with_eager_values_and_collectives_dp():
                 ("reduce_scatter", ("dp",)): L,
             }, name
             assert out[name]["compiled"] == {**out[name]["eager"], ("all_gather", ("dp",)): 2 * L - 1}, name
+
+
+# == world 4: the demo's GPT, fsdp (fs.fsdp_scan over dp=4, tp=1) and fsdp x tp (dp=2, tp=2) ========
+
+
+def _rank_gpt():
+    import optree
+
+    import fshard as fs
+    from benchmarks import gpt
+    from fshard_demo.model import Config, fsdp_dims, init_params, loss_fn
+
+    torch._dynamo.reset()
+    errs: list[str] = []
+    out: dict = {}
+    cfg = Config(d_model=32, n_heads=4, n_layers=2, d_mlp=64, digits=2)
+    tokens = gpt.make_tokens(cfg, 8)["tokens"]
+    for layout, mesh in (("fsdp_tp", fs.Mesh(dp=2, tp=2)), ("fsdp", fs.Mesh(dp=4, tp=1))):
+        # a fresh start per layout: Dynamo would otherwise retrace the same code with the mesh
+        # sizes as symbols (automatic dynamic shapes), which shard_map's planning cannot take
+        torch._dynamo.reset()
+        params, specs = init_params(0, cfg, mesh, layout)
+        dp_dims = fsdp_dims(specs)
+
+        def loss_and_grads(params, tokens, dp_dims=dp_dims):
+            return fs.value_and_grad(loss_fn)(params, tokens, cfg, dp_dims)
+
+        step = fs.shard_map(loss_and_grads, mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs=("", specs))
+        # one process: the demo's model in plain torch on the global parameters and batch
+        ref = optree.tree_map(lambda s: s.full().detach().clone().requires_grad_(), params)
+        want = gpt.loss_fn(ref, tokens, cfg)
+        want_grads = torch.autograd.grad(want, optree.tree_leaves(ref))
+        backend, stats = _counter()
+        _check(errs, layout, fs.compile(step, backend=backend), step, (params, tokens), want, want_grads)
+        out[layout] = {"graphs": stats["graphs"], "compiled": sorted(stats["fw"] + stats["bw"])}
+        out[layout]["eager"] = _eager_counts(step, params, tokens)
+    return errs, out
+
+
+@pytest.mark.timeout(420)  # two GPT compilations on each of 4 ranks on a shared 2-core machine
+def test_demo_gpt_fsdp_layouts_compile_with_eager_values():
+    got = run_ranks(4, _rank_gpt, timeout=400)
+    assert_ok([errs for errs, _ in got])
+    for _, out in got:
+        for layout in ("fsdp_tp", "fsdp"):
+            print(layout, out[layout])
+            assert out[layout]["graphs"] == 1, layout
