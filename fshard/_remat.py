@@ -36,6 +36,8 @@ def remat(fn):
     accepts inside a checkpoint only with
     ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True``: ``fs.compile``
     sets it; under plain ``torch.compile`` set it, or fs.remat raises a TracingError saying so.
+    On a mesh with more than one axis it is refused under compile (a TracingError): compiled,
+    a Megatron layer inside it gave other values than eager.
 
     Examples:
         >>> @fs.remat
@@ -53,6 +55,16 @@ def remat(fn):
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (fshard "
                 "tags the values computed inside it, a trace-time side effect the recomputation in "
                 "the backward need not replay); compile with fs.compile, which sets it, or set it",
+            )
+        tr0 = _vma.active()
+        if tr0 is not None and _compile.compiling() and sum(s > 1 for s in tr0.mesh.shape.values()) > 1:
+            # compiled on a dp x tp mesh, a Megatron layer inside fs.remat gave other values than
+            # eager (torch 2.13; not understood yet): refused rather than compiled wrong
+            _compile.refuse(
+                f"fs.remat({getattr(fn, '__name__', 'fn')}) on a mesh with more than one axis "
+                f"(Mesh({', '.join(f'{n}={k}' for n, k in tr0.mesh.shape.items())}))",
+                "call the step eagerly, or leave fs.remat out of the compiled step (fs.fsdp_scan "
+                "compiles on such meshes)",
             )
         if _functorch_active():
             # under torch.func transforms: computed once and kept (torch.func.grad, vjp, jacrev and
