@@ -29,6 +29,8 @@ time (`refuse`), never a silent fallback that changes results.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 
 import torch
@@ -42,6 +44,7 @@ __all__ = [
     "check_transforms",
     "fail",
     "hide_jvp",
+    "mark_backward",
     "next_id",
     "allow_cached",
 ]
@@ -72,6 +75,54 @@ def hide_jvp(classes) -> None:
             rule = cls.__dict__.get("jvp")
             if isinstance(rule, staticmethod):
                 setattr(cls, "jvp", _JvpRule(rule.__func__))  # noqa: B010
+
+
+def mark_backward(classes) -> None:
+    """Make the backward of each autograd Function in ``classes`` trace as backward nodes.
+
+    Dynamo traces a Function's backward into a subgraph that the compiled graph replays when it
+    traces ``torch.autograd.grad`` (``fs.value_and_grad``, ``loss.backward()``); the replayed nodes
+    take their metadata from the subgraph's, which lacks torch's mark of backward nodes
+    (``autograd_backward``). torch's rematerialization of checkpointed regions (``fs.remat``,
+    ``fs.fsdp_scan``'s gathers) in a graph holding forward and backward finds the backward by
+    that mark: unmarked, a collective's transpose would split the backward in pieces and the
+    compilation fail. While Dynamo traces the backward, the mark is set."""
+    for cls in classes:
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            rule = cls.__dict__.get("backward")
+            if isinstance(rule, staticmethod):
+                setattr(cls, "backward", staticmethod(_marked(rule.__func__)))  # noqa: B010
+
+
+def _marked(fn):
+    @functools.wraps(fn)
+    def backward(*args):
+        if not compiling():
+            return fn(*args)
+        _mark(True)
+        try:
+            return fn(*args)
+        finally:
+            _mark(False)
+
+    return backward
+
+
+_marks: list[contextlib.ExitStack] = []  # one per backward being traced (innermost last)
+
+
+@torch._dynamo.assume_constant_result  # run at trace time, not traced
+def _mark(on: bool) -> bool:
+    """Start (or end) the backward mark of the graph nodes Dynamo creates (as Dynamo does for
+    ``fx.traceback.annotate``: the node metadata preserved, with torch's backward flag set)."""
+    if on:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.fx.traceback.preserve_node_meta())
+        stack.enter_context(torch.fx.traceback._set_autograd_backward())
+        _marks.append(stack)
+    elif _marks:
+        _marks.pop().close()
+    return on
 
 
 _ids = itertools.count(1)

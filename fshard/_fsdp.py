@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import optree
 import torch
+import torch.utils.checkpoint
 
 from . import _comm, _compile, _vma
 from ._collectives import _by_dtype, _vary
@@ -26,6 +27,7 @@ from ._errors import ArgumentError
 from ._mesh import AxisGroup
 from ._primitives import (
     AllGather,
+    AllGatherCoalesced,
     ReduceScatterCoalesced,
     _functorch_active,
     _pack,
@@ -74,6 +76,16 @@ def fsdp_scan(
     padded to the longest block and are cut back, and so do their gradients; the scan then
     first compares its leaves' block shapes across ``axis`` (one small all-gather per call).
 
+    Under ``torch.compile`` (``fs.compile``, or ``torch.compile(fullgraph=True)``) each layer's
+    gather, one all-gather per dtype, is a ``torch.utils.checkpoint`` region whose every op must
+    be recomputed (SimpleFSDP's recipe): the compiled backward gathers the layer again instead of
+    keeping the gathered copy, and its gradients leave in one reduce-scatter per dtype, the
+    collectives of the eager call. What the backward keeps: as eager, the sharded parameters and
+    no gathered copy; the layer's activations are kept or recomputed as torch.compile's
+    partitioner decides (eager keeps them). When each gather runs and its result is freed is the
+    compiled graph's order (inductor may reorder it): the eager prefetch is not reproduced.
+    Uneven blocks are refused under compile (as every shard_map input with uneven blocks).
+
     Under torch.func transforms (``vmap``, ``jvp``, ``grad``, ``jacrev``, ...) each split leaf is
     gathered by its own all-gather when its layer is reached (no prefetch; the gathered copies
     are kept for the backward): the transforms do not compose with the saved-tensor hooks.
@@ -87,11 +99,6 @@ def fsdp_scan(
         ...     return fs.pmean(h.pow(2).mean(), "dp")
     """
     tr = _vma.current("fsdp_scan")
-    _compile.refuse(
-        "fs.fsdp_scan",
-        "gather the layers' parameters with fs.all_gather in the compiled step (torch.compile "
-        "decides itself what the backward keeps), or call the step eagerly",
-    )
     g = tr.mesh.axis_group(axis, "fsdp_scan")
     items, stacked = _layer_list(layers)
     if not items:
@@ -111,6 +118,8 @@ def fsdp_scan(
         for get, ldims, llens in zip(items, per_layer, lens):
             h = layer_fn(_gathered_plain(get(), ldims, llens, g, tr, bits), h)
         return h
+    if _compile.compiling():
+        return _scan_compiled(layer_fn, items, per_layer, lens, g, tr, bits, h)
     states: list[_Layer] = []
     for get, ldims, llens in zip(items, per_layer, lens):
         states.append(_Layer(get, ldims, llens, g, tr, bits, states[-1] if states else None, prefetch))
@@ -337,6 +346,50 @@ def _gathered_plain(tree, dims, lens, g: AxisGroup, tr, bits: int):
             y._fshard_gathered = g.names
             leaves[j] = y
     return treedef.unflatten(leaves)
+
+
+def _scan_compiled(layer_fn, items, per_layer, lens, g: AxisGroup, tr, bits: int, h):
+    """`fsdp_scan` under torch.compile: each layer's gather (one all-gather per dtype) is a
+    checkpointed region whose every op must be recomputed, so the compiled backward gathers the
+    layer again instead of keeping the gathered copy (SimpleFSDP's recipe); the rest of the layer
+    is compiled as written, its activations kept or recomputed as torch.compile decides."""
+    for get, ldims, llens in zip(items, per_layer, lens):
+        if any(ln is not None for ln in llens):  # shard_map refuses uneven inputs under compile
+            raise AssertionError("fs.fsdp_scan: uneven blocks reached a compiled scan")
+        leaves, treedef = optree.tree_flatten(get(), none_is_leaf=True)
+        idx = [j for j, d in enumerate(ldims) if d is not None]
+        vs = [_vma.get(leaves[j], tr) for j in idx]
+        xs = [_vary(leaves[j], tr, v, bits) for j, v in zip(idx, vs)]
+        groups = list(_by_dtype(xs, range(len(xs))).values())
+        dims = [tuple(ldims[idx[k]] for k in grp) for grp in groups]
+        with untracked():  # the region untracked (the outputs are tagged below)
+            ys = torch.utils.checkpoint.checkpoint(
+                _gather_groups, g, groups, dims, *xs, use_reentrant=False, context_fn=_recompute_gathers
+            )
+        for j, k, v in zip(idx, range(len(xs)), vs):
+            y = ys[k]
+            _vma.tag(y, tr, v | bits)
+            y._fshard_gathered = g.names
+            leaves[j] = y
+        h = layer_fn(treedef.unflatten(leaves), h)
+    return h
+
+
+def _gather_groups(g: AxisGroup, groups, dims, *xs):
+    out: list = [None] * len(xs)
+    for grp, gdims in zip(groups, dims):
+        ys = apply(AllGatherCoalesced, g, gdims, True, False, *[xs[k] for k in grp])
+        for k, y in zip(grp, ys):
+            out[k] = y
+    return tuple(out)
+
+
+def _must_recompute(ctx, op, *args, **kwargs):
+    return torch.utils.checkpoint.CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recompute_gathers():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_must_recompute)
 
 
 class _Layer:

@@ -6,7 +6,8 @@ docs/tutorial/09-compiling.md); three settings make it a good one, and `compile`
 - ``fullgraph=True``: a graph break would silently run part of the step eagerly;
 - ``torch._dynamo.config.trace_autograd_ops`` on while the function runs, so that
   ``loss.backward()`` and ``fs.value_and_grad`` (``torch.autograd.grad``) are traced into the
-  graph instead of breaking it;
+  graph instead of breaking it; and ``skip_fwd_side_effects_in_bwd_under_checkpoint``, so that
+  ``fs.remat`` (a ``checkpoint``) may tag the values it computes (`CONFIG`);
 - inductor's bucketing of the gradient all-reduces (``bucket_all_reduces_fx``): without it the
   compiled backward all-reduces each replicated parameter's gradient on its own (eager fshard
   reduces them in ``bucket_mb`` buckets, which are driven by autograd hooks Dynamo does not
@@ -25,6 +26,11 @@ import torch
 __all__ = ["compile"]
 
 _BUCKETED = {"bucket_all_reduces_fx": "all"}
+
+CONFIG = {"trace_autograd_ops": True, "skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+"""The Dynamo settings `compile` runs the compiled function with: ``loss.backward()`` and
+``torch.autograd.grad`` traced into the graph; ``fs.remat``'s body, whose only side effects are
+fshard's trace-time bookkeeping (the varying-axes tags), traced inside ``checkpoint``."""
 
 
 def compile(  # noqa: A001 (fs.compile, as torch.compile)
@@ -87,7 +93,7 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(**CONFIG):
             return compiled(*args, **kwargs)
 
     run.compiled = compiled  # type: ignore[attr-defined]  # torch.compile's function, for explain()

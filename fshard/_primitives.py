@@ -788,3 +788,4 @@ class _ScaleCotangent(torch.autograd.Function):
 
 
 _compile.hide_jvp(list(globals().values()))  # torch.compile traces Functions without a jvp
+_compile.mark_backward(list(globals().values()))  # and their backward as backward nodes

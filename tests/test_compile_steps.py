@@ -265,12 +265,6 @@ def _switch_loss(p, x, y):
     return fs.pmean(mse(h @ p["w2"], y), "dp")
 
 
-def _scan_loss(p, x, y):
-    import fshard as fs
-
-    return fs.pmean(mse(fs.fsdp_scan(_layer, [p["w1"]], x, "dp") @ p["w2"], y), "dp")
-
-
 def _rank_constructs():
     import fshard as fs
 
@@ -298,18 +292,18 @@ def _rank_constructs():
     for (k, g), w in zip(grads.items(), want_grads):
         close(errs, f"async_op: compiled grad {k} vs one process", full(g), w)
     out["async_op"] = {"graphs": stats["graphs"], "ops": list(stats["ops"])}
-    # refused, naming the construct
+    # refused, naming the construct (fs.remat: under plain torch.compile without the Dynamo
+    # setting fs.compile sets; compiled fs.remat and fs.fsdp_scan: tests/test_compile_scan.py)
     plain = _init()
-    for name, body in (("remat", _remat_loss), ("switch", _switch_loss), ("fsdp_scan", _scan_loss)):
-        in_specs = ({"w1": "(dp d) h", "w2": "..."} if name == "fsdp_scan" else "...", "(dp b) d", "(dp b) o")
-        f = fs.shard_map(body, mesh=dp, in_specs=in_specs, out_specs="...")
+    for name, body in (("remat", _remat_loss), ("switch", _switch_loss)):
+        f = fs.shard_map(body, mesh=dp, in_specs=("...", "(dp b) d", "(dp b) o"), out_specs="...")
         out[name] = _raised(torch.compile(f, backend="eager", fullgraph=True), plain, x, y)
         eager = f(plain, x, y)  # eagerly: the same value as one process
         close(errs, f"{name}: eager loss vs one process", eager, mse(_mlp(plain, x), y))
     return errs, out
 
 
-def test_compiled_async_collectives_match_and_remat_switch_fsdp_scan_are_refused_by_name():
+def test_compiled_async_collectives_match_and_switch_and_remat_without_its_setting_are_refused_by_name():
     got = run_ranks(N, _rank_constructs, timeout=115)
     assert_ok([errs for errs, _ in got])
     for _, out in got:
@@ -326,18 +320,15 @@ def test_compiled_async_collectives_match_and_remat_switch_fsdp_scan_are_refused
             "something that would mean another thing than the eager call); "
         )
         assert out["remat"] == (
-            "TracingError: fs.remat(_layer)" + tail + "drop fs.remat from the compiled step "
-            "(torch.compile decides itself what the backward keeps or recomputes), or call the step eagerly"
+            "TracingError: fs.remat(_layer) under torch.compile needs "
+            "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (fshard tags the "
+            "values computed inside it, a trace-time side effect the recomputation in the backward need "
+            "not replay); compile with fs.compile, which sets it, or set it"
         )
         assert out["switch"] == (
             "TracingError: fs.switch on an index that varies over mesh axes"
             + tail
             + "call the step eagerly, or branch outside the compiled function"
-        )
-        assert out["fsdp_scan"] == (
-            "TracingError: fs.fsdp_scan" + tail + "gather the layers' parameters with fs.all_gather in "
-            "the compiled step (torch.compile decides itself what the backward keeps), or call the step "
-            "eagerly"
         )
 
 
