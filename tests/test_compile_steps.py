@@ -363,7 +363,72 @@ def _rank_inductor():
                 close(errs, f"inductor step {i}: {k} vs eager", cp[k], ep[k])
     with torch._inductor.config.patch(compile_threads=1):
         _fs_compile_case(errs, dp)
+        _fs_compile_fsdp_case(errs, dp)
     return errs
+
+
+def _gloo_ops(fn, *args) -> dict:
+    """How many all-gathers and reduce-scatters ran during ``fn(*args)``: the functional
+    collectives' profiler events (gloo runs a reduce-scatter as an all-reduce on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    names = [e.name for e in prof.events() if e.name.startswith("_c10d_functional::")]
+    return {
+        k: sum(n.startswith(f"_c10d_functional::{k}") for n in names)
+        for k in ("all_gather", "reduce_scatter")
+    }
+
+
+def _fs_compile_fsdp_case(errs, dp):
+    """fs.compile of the per-leaf FSDP program (one fs.all_gather per split parameter, then
+    ``loss.backward()``): inductor buckets the gathers and their transposes (capped at eager's
+    combining size), one all-gather and one reduce-scatter for these two leaves, as eager combines
+    them; values and gradients as eager's and one process's."""
+    import optree
+
+    import fshard as fs
+
+    def loss_fn(p, x, y):
+        full_p = optree.tree_map(lambda t: fs.all_gather(t, "dp", dim=0, tiled=True), p)
+        return _local_loss(full_p, x, y)
+
+    f = fs.shard_map(
+        loss_fn,
+        mesh=dp,
+        in_specs=({"w1": "(dp d) h", "w2": "(dp h) o"}, "(dp b) d", "(dp b) o"),
+        out_specs="",
+    )
+    init = _init()
+    eager_p = fs.shard(init, dp, {"w1": "(dp d) h", "w2": "(dp h) o"})
+    comp_p = fs.shard(init, dp, {"w1": "(dp d) h", "w2": "(dp h) o"})
+    for p in (*eager_p.values(), *comp_p.values()):
+        p.local.requires_grad_(True)
+
+    def step(p, x, y):
+        loss = f(p, x, y)
+        loss.backward()
+        return loss.detach()
+
+    x, y = _batch(0)
+    eager_loss = step(eager_p, x, y)
+    compiled = fs.compile(step)
+    compiled(comp_p, x, y)  # traced and compiled
+    for p in comp_p.values():
+        p.local.grad = None
+    ops = _gloo_ops(compiled, comp_p, x, y)
+    if ops != {"all_gather": 1, "reduce_scatter": 1}:
+        errs.append(f"fs.compile fsdp: {ops} in the compiled step, want one bucket each way")
+    got_loss = compiled(comp_p, x, y)  # gradients accumulate over the two calls since the reset
+    close(errs, "fs.compile fsdp: loss vs eager", got_loss, eager_loss)
+    X, Y = full(x), full(y)
+    want = torch.func.grad(lambda p: mse(_mlp(p, X), Y))(init)  # one process
+    for k in init:
+        got = comp_p[k].local.grad / 2
+        close(errs, f"fs.compile fsdp: grad {k} vs eager", got, eager_p[k].local.grad)
+        block = want[k].chunk(N)[torch.distributed.get_rank()]
+        close(errs, f"fs.compile fsdp: grad {k} vs one process", eager_p[k].local.grad, block)
 
 
 def _gloo_all_reduces(fn, *args) -> int:
