@@ -28,6 +28,7 @@ import torch
 
 __all__ = ["compile"]
 
+
 def _bucket_mb(bucket_id: int) -> float:
     """The size cap, in MB, of inductor's all-gather and reduce-scatter buckets: eager's
     combining cap (``FSHARD_COMBINE_MB``). A module-level function: inductor's cache pickles it."""
