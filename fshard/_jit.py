@@ -75,7 +75,7 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
         dynamic: as ``torch.compile``'s (``None``: a dim that changes is made dynamic on its
             second size).
         mode: as ``torch.compile``'s (inductor only).
-        options: inductor options, on top of fshard's (``bucket_all_reduces_fx="all"`` unless
+        options: inductor options, on top of fshard's (the bucketing passes below, unless
             ``bucket=False``).
         bucket: with the inductor backend, bucket the all-reduces of the graph (the compiled
             counterpart of ``shard_map``'s ``bucket_mb``), and its all-gathers and reduce-scatters

@@ -144,7 +144,7 @@ def _local_world() -> tuple[int, int]:
     return 0, 1
 
 
-_BY_TEXT: dict[str, Mesh] = {}  # the first mesh made of each key, by the key's text
+_BY_TEXT: dict[str, Mesh] = {}  # the latest mesh made of each key, by the key's text
 
 
 def by_text(text: str) -> Mesh:
@@ -155,7 +155,8 @@ def by_text(text: str) -> Mesh:
     constants of the graph, guarded, while ints read through a function's arguments become
     symbolic when they change between traces of the same code (two shard_map'd functions on two
     meshes compiled in one process), and fshard's planning cannot run on symbolic axis sizes.
-    Equal meshes (same key) are interchangeable."""
+    Equal meshes (same key) are interchangeable; the table holds the latest one made, whose
+    process groups are those of the current ``fs.init``."""
     return _BY_TEXT[text]
 
 
@@ -295,7 +296,7 @@ class Mesh:
         self._pgs: dict[tuple[int, ...], object] = shared[3]  # sorted dims (size > 1) -> group
         self._key = (names, sizes, self._ranks)
         self._text = repr(self._key)  # a string: compiled code finds the mesh by it (`by_text`)
-        _BY_TEXT.setdefault(self._text, self)
+        _BY_TEXT[self._text] = self  # the latest: its groups are live after a re-init
         # Bits for axes that can vary (size > 1); used by varying-axes tracking.
         self._bits = {n: (1 << i) for i, (n, s) in enumerate(zip(names, sizes)) if s > 1}
         self._make_multi_axis_groups(world)
