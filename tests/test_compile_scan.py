@@ -242,7 +242,7 @@ def _rank_remat_tp(errs, out):
         close(errs, f"remat dp x tp: eager grad {i} vs one process", full(g), w)
 
 
-# == world 4: the demo's GPT, fsdp (fs.fsdp_scan over dp=4, tp=1) and fsdp x tp (dp=2, tp=2) ========
+# == world 4: the demo's GPT, fsdp x tp (dp=2, tp=2) ==============================================================
 
 
 def _rank_gpt():
@@ -258,10 +258,9 @@ def _rank_gpt():
     cfg = Config(d_model=32, n_heads=4, n_layers=2, d_mlp=64, digits=2)
     tokens = gpt.make_tokens(cfg, 8)["tokens"]
     _rank_remat_tp(errs, out)
-    for layout, mesh in (("fsdp_tp", fs.Mesh(dp=2, tp=2)), ("fsdp", fs.Mesh(dp=4, tp=1))):
-        # a fresh start per layout: Dynamo would otherwise retrace the same code with the mesh
-        # sizes as symbols (automatic dynamic shapes), which shard_map's planning cannot take
-        torch._dynamo.reset()
+    # fsdp x tp only (compiling is slow on a small machine): the 1-axis fsdp_scan is compiled in
+    # the world-2 test above
+    for layout, mesh in (("fsdp_tp", fs.Mesh(dp=2, tp=2)),):
         params, specs = init_params(0, cfg, mesh, layout)
         dp_dims = fsdp_dims(specs)
 
@@ -288,8 +287,8 @@ def _rank_gpt():
     return errs, out
 
 
-@pytest.mark.timeout(480)  # three compilations on each of 4 ranks on a shared 2-core machine
-def test_demo_gpt_fsdp_layouts_compile_with_eager_values_and_remat_on_dp_x_tp_is_refused():
+@pytest.mark.timeout(480)  # two compilations on each of 4 ranks on a shared 2-core machine
+def test_demo_gpt_fsdp_tp_layout_compiles_with_eager_values_and_remat_on_dp_x_tp_is_refused():
     got = run_ranks(4, _rank_gpt, timeout=460)
     assert_ok([errs for errs, _ in got])
     for _, out in got:
@@ -299,7 +298,7 @@ def test_demo_gpt_fsdp_layouts_compile_with_eager_values_and_remat_on_dp_x_tp_is
             "compiling something that would mean another thing than the eager call); call the step "
             "eagerly, or leave fs.remat out of the compiled step (fs.fsdp_scan compiles on such meshes)"
         )
-        for layout in ("fsdp_tp", "fsdp"):
+        for layout in ("fsdp_tp",):
             assert out[layout]["graphs"] == 1, layout
             # the top's one coalesced gather and each block's (one per dtype), each block gathered
             # again in the backward (the embeddings' gradient needs the first block's too); one
