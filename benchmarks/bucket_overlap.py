@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import fshard as fs
 
 from . import gpt
+from .timing import timed_block
 
 
 def _fshard_step(cfg, weights, tokens, bucket_mb):
@@ -75,12 +75,7 @@ def _rank(model: str, batch: int, steps: int, rounds: int, sizes: list[float]) -
             step()
     for _ in range(rounds):
         for name, step in contenders.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t0) / steps)
+            times[name].append(timed_block(step, steps))
     return times
 
 

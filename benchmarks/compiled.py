@@ -46,6 +46,7 @@ import torch.distributed as dist
 import fshard as fs
 
 from . import gpt
+from .timing import timed_block
 
 REFERENCE = {"dp": "DDP compiled", "fsdp": "FSDP2 compiled", "dp_tp": "DTensor compiled"}
 BUCKET_AG_RS = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
@@ -228,13 +229,7 @@ def _rank(layout: str, model: str, batch: int, steps: int, rounds: int, backend:
     times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            step = preps[name].step
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t0) / steps)
+            times[name].append(timed_block(preps[name].step, steps))
     comms = {name: count_collectives(preps[name].step) for name in names}
     recompiles = counters["stats"]["unique_graphs"] - sum(graphs.values())
     return {"times": times, "first": first, "graphs": graphs, "comms": comms, "recompiles": recompiles}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ import fshard as fs
 from fshard import _watchdog
 
 from . import gpt
+from .timing import timed_block
 
 LAYOUTS = ("dp", "fsdp", "dp_tp", "fsdp_tp")
 SETTINGS = {"0": (False, False), "reduce": (True, False), "all": (True, True)}
@@ -77,12 +77,7 @@ def _rank(model: str, batch: int, steps: int, rounds: int, layouts: list[str]) -
         for r in range(rounds):
             for name in names[r % 3 :] + names[: r % 3]:
                 _watchdog.S.tags, _watchdog.S.gather_tags = SETTINGS[name]
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                dist.barrier()
-                times[name].append((time.perf_counter() - t0) / steps)
+                times[name].append(timed_block(step, steps))
         out[layout] = (times, counts)
     _watchdog.S.tags, _watchdog.S.gather_tags = saved
     return out

@@ -47,6 +47,17 @@ def time_contenders(
         gc.unfreeze()
 
 
+def timed_block(step, steps: int, group=None) -> float:
+    """Wall seconds per step of ``steps`` calls of ``step``, between barriers (every rank's block
+    starts together and ends when the slowest rank's does): one sample of an interleaved round."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier(group=group)
+    return (time.perf_counter() - t0) / steps
+
+
 def _time(preps, names, warmup, steps, rounds, group):
     for name in names:
         dist.barrier(group=group)
