@@ -38,8 +38,11 @@ from fshard._errors import MeshError
 def threads():
     names = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/comm") as fh:
-            names.append(fh.read().strip())
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                names.append(fh.read().strip())
+        except FileNotFoundError:  # the thread ended between the listing and the read: not running
+            pass
     return names
 
 def after_fshard():  # registered before fs.init: runs after fshard's exit hook (LIFO)
