@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 
+import optree
+import torch
 import torch.utils.checkpoint
 
 from . import _compile, _vma
@@ -36,8 +38,6 @@ def remat(fn):
     accepts inside a checkpoint only with
     ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True``: ``fs.compile``
     sets it; under plain ``torch.compile`` set it, or fs.remat raises a TracingError saying so.
-    On a mesh with more than one axis it is refused under compile (a TracingError): compiled,
-    a Megatron layer inside it gave other values than eager.
 
     Examples:
         >>> @fs.remat
@@ -56,21 +56,13 @@ def remat(fn):
                 "tags the values computed inside it, a trace-time side effect the recomputation in "
                 "the backward need not replay); compile with fs.compile, which sets it, or set it",
             )
-        tr0 = _vma.active()
-        if tr0 is not None and _compile.compiling() and sum(s > 1 for s in tr0.mesh.shape.values()) > 1:
-            # compiled on a dp x tp mesh, a Megatron layer inside fs.remat gave other values than
-            # eager (torch 2.13; not understood yet): refused rather than compiled wrong
-            _compile.refuse(
-                f"fs.remat({getattr(fn, '__name__', 'fn')}) on a mesh with more than one axis "
-                f"(Mesh({', '.join(f'{n}={k}' for n, k in tr0.mesh.shape.items())}))",
-                "call the step eagerly, or leave fs.remat out of the compiled step (fs.fsdp_scan "
-                "compiles on such meshes)",
-            )
         if _functorch_active():
             # under torch.func transforms: computed once and kept (torch.func.grad, vjp, jacrev and
             # hessian do not support checkpoint's saved tensor hooks); the values are the same
             return fn(*args, **kwargs)
         tr = _vma.active()
+        if tr is not None and _compile.compiling():
+            return _compiled(fn, tr, args, kwargs)
 
         def run(*a, **k):
             if tr is None or _vma.active() is tr:
@@ -81,3 +73,33 @@ def remat(fn):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     return inner
+
+
+def _compiled(fn, tr, args, kwargs):
+    """`remat` while Dynamo traces: ``checkpoint`` traced as a region (a higher-order op).
+
+    Dynamo traces the region's body in a graph of its own, where the call's `VmaMode` does not
+    see the ops: the body is traced under a mode of its own for the same trace (so its implicit
+    casts and tags are eager's), and the masks of its outputs, plain ints at trace time, are put
+    on the region's outputs, which Dynamo makes anew. Untracked, the body's ops gave untagged
+    (invariant) results: a psum of them multiplied instead of summing, and a Megatron layer gave
+    other values than eager."""
+    masks: list[list[int]] = []
+
+    def run(*a, **k):
+        if tr.mesh.tracked:
+            with _vma.VmaMode(tr):
+                out = fn(*a, **k)
+        else:
+            out = fn(*a, **k)
+        masks.append([_vma.get(t, tr) for t in _tensors(out)])
+        return out
+
+    out = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+    for t, m in zip(_tensors(out), masks[-1]):
+        _vma.tag(t, tr, m)
+    return out
+
+
+def _tensors(tree) -> list:
+    return [t for t in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(t, torch.Tensor)]
