@@ -82,7 +82,11 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
             in buckets of ``FSHARD_COMBINE_MB`` (eager's combining of per-leaf calls).
 
     Returns:
-        The compiled function (``torch.compile``'s), called with ``trace_autograd_ops`` on.
+        The compiled function (``torch.compile``'s), called with ``trace_autograd_ops`` on. An
+        error fshard raises while Dynamo traces (a bad spec, the replication check, a construct
+        not supported under compile) is raised as itself (``fs.SpecError``, ``fs.TracingError``,
+        ...), as the eager call raises it; plain ``torch.compile`` raises it wrapped in Dynamo's
+        ``InternalTorchDynamoError``.
 
     Examples:
         >>> step = fs.compile(train_step)           # train_step calls loss.backward()
@@ -113,7 +117,26 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
     @functools.wraps(fn)
     def run(*args, **kwargs):
         with torch._dynamo.config.patch(**CONFIG):
-            return compiled(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.InternalTorchDynamoError as e:
+                err = _fshard_error(e)
+                if err is None:
+                    raise
+                raise err from e  # fshard's own error (SpecError, TracingError, ...), as eager raises it
 
     run.compiled = compiled  # type: ignore[attr-defined]  # torch.compile's function, for explain()
     return run
+
+
+def _fshard_error(e: BaseException) -> BaseException | None:
+    """The fshard error that Dynamo wrapped in ``e`` when fshard raised it while tracing."""
+    from ._errors import FshardError
+
+    inner = e.__cause__ or e.__context__
+    if not isinstance(inner, FshardError):
+        return None
+    # Dynamo appended where it was traced to the error's text; that is on ``e``, raised as the cause
+    if inner.args and isinstance(inner.args[0], str):
+        inner.args = (inner.args[0].split("\n\nfrom user code:")[0], *inner.args[1:])
+    return inner

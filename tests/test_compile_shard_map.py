@@ -207,6 +207,12 @@ def _rank_refusals():
     unreduced = fs.shard_map(_unreduced_body, mesh=dp, in_specs=in_dp, out_specs="...")
     out["check eager"] = _raised(unreduced, *args)
     out["check compiled"] = _raised(torch.compile(unreduced, backend="eager", fullgraph=True), *args)
+    # fs.compile raises fshard's error as itself (a user's `except fs.SpecError` catches it)
+    try:
+        fs.compile(unreduced, backend="eager")(*args)
+        out["check fs.compile"] = "nothing raised"
+    except fs.SpecError as e:
+        out["check fs.compile"] = f"{type(e).__name__}: {e}"
     # what compiled calls do not support yet: refused at trace time, naming the construct
     mixed = fs.shard_map(_dp_body, mesh=dp, in_specs=in_dp, out_specs="...", compute_dtype=torch.bfloat16)
     out["compute_dtype"] = _raised(torch.compile(mixed, backend="eager", fullgraph=True), *args)
@@ -247,6 +253,7 @@ def test_compiled_shard_map_raises_eagers_errors_and_refuses_what_it_does_not_su
     for out in got:
         assert out["check compiled"].startswith("InternalTorchDynamoError: ")
         assert _fshard_part(out["check compiled"]) == out["check eager"]
+        assert out["check fs.compile"] == out["check eager"]
         assert out["check eager"] == (
             "SpecError: fs.shard_map(_unreduced_body): 1 problem with out_specs (replication check):\n"
             "  - out varies over mesh axis dp but out_spec '...' says it is replicated over dp; reduce it "
