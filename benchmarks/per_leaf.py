@@ -16,10 +16,16 @@ Contenders, built once and timed in interleaved rounds:
 * ``fshard inner``: ``fs.shard_map(fs.value_and_grad(loss))`` (the whole step inside; each leaf's
   gradient reduced by the transpose of its implicit cast).
 
+With ``--compiled BACKEND`` also the hand-written step and ``fshard outer`` under ``fs.compile``
+(first call, tracing and compiling, timed apart): compiled, no per-op tracking runs, and inductor
+buckets the per-leaf gradient all-reduces (``aot_eager`` does not: one blocking all-reduce per
+leaf). Compiling takes minutes at a few hundred leaves on a small machine.
+
 Rank 0 prints each contender's median time per step and fshard's extra cost per leaf,
 ``(fshard - hand-written) / n``, for every ``n``; the extra cost should be flat in ``n``.
 
     python -m benchmarks.per_leaf --world 2 --leaves 100 1000 3000
+    python -m benchmarks.per_leaf --world 2 --leaves 100 --compiled inductor
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def _loss_local(leaves, x):
     return sum(((x * w).sum(-1) ** 2).sum() for w in leaves)
 
 
-def _contenders(n: int, width: int, rows: int) -> dict:
+def _contenders(n: int, width: int, rows: int, backend: str | None = None) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     leaves = [torch.randn(width, generator=g) * 0.1 for _ in range(n)]
@@ -68,11 +74,17 @@ def _contenders(n: int, width: int, rows: int) -> dict:
     )
     params = [w.clone() for w in leaves]
 
-    return {
+    out = {
         "hand-written": hand_step,
         "fshard outer": lambda: outer(params, x),
         "fshard inner": lambda: inner(params, x),
     }
+    if backend is not None:  # the same steps compiled: no per-op tracking left at run time
+        hand_c = fs.compile(hand_step, backend=backend)
+        outer_c = fs.compile(outer, backend=backend)
+        out["hand compiled"] = hand_c
+        out["outer compiled"] = lambda: outer_c(params, x)
+    return out
 
 
 def _check(steps: dict) -> None:
@@ -84,10 +96,18 @@ def _check(steps: dict) -> None:
             torch.testing.assert_close(a, b, msg=name)
 
 
-def _rank(ns: list[int], width: int, rows: int, steps: int, rounds: int) -> dict:
+def _rank(ns: list[int], width: int, rows: int, steps: int, rounds: int, backend: str | None = None) -> dict:
     out = {}
     for n in ns:
-        contenders = _contenders(n, width, rows)
+        torch._dynamo.reset()
+        contenders = _contenders(n, width, rows, backend)
+        first: dict[str, float] = {}
+        for name, step in contenders.items():
+            if "compiled" in name:  # the first call traces and compiles: timed apart
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                first[name] = time.perf_counter() - t0
         _check(contenders)  # every contender gives the hand-written values
         times: dict[str, list[float]] = {k: [] for k in contenders}
         for step in contenders.values():
@@ -101,7 +121,7 @@ def _rank(ns: list[int], width: int, rows: int, steps: int, rounds: int) -> dict
                     contenders[name]()
                 dist.barrier()
                 times[name].append((time.perf_counter() - t0) / steps)
-        out[n] = times
+        out[n] = (times, first)
     return out
 
 
@@ -113,16 +133,28 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument(
+        "--compiled",
+        metavar="BACKEND",
+        help="also time the hand-written step and fshard outer compiled with fs.compile (inductor, aot_eager)",
+    )
     a = ap.parse_args()
-    res = fs.launch(_rank, a.world, (a.leaves, a.width, a.rows, a.steps, a.rounds), timeout=3600)
+    args = (a.leaves, a.width, a.rows, a.steps, a.rounds, a.compiled)
+    res = fs.launch(_rank, a.world, args, timeout=3600)
     print(f"world {a.world}, leaves of {a.width} floats, {a.rows} rows per rank; median ms per step")
     print(f"{'leaves':>6s} {'contender':14s} {'median ms':>10s} {'min ms':>8s} {'extra us/leaf':>14s}")
-    for n, times in res[0].items():
+    for n, (times, first) in res[0].items():
         base = statistics.median(times["hand-written"])
         for name, ts in times.items():
             med = statistics.median(ts)
             extra = "" if name == "hand-written" else f"{1e6 * (med - base) / n:14.1f}"
             print(f"{n:6d} {name:14s} {1e3 * med:10.2f} {1e3 * min(ts):8.2f} {extra}")
+        if "outer compiled" in times:
+            hc = statistics.median(times["hand compiled"])
+            oc = statistics.median(times["outer compiled"])
+            print(f"{n:6d} outer compiled - hand compiled: {1e6 * (oc - hc) / n:.1f} us/leaf")
+        for name, sec in first.items():
+            print(f"{n:6d} {name:14s} first call (trace + compile) {sec:.1f} s")
 
 
 if __name__ == "__main__":
