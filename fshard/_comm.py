@@ -89,14 +89,25 @@ class CollectiveCounts:
 
 
 _recorders: list[CollectiveCounts] = []
+compiled_counted = False
+"""True while an ``fs.compile``'d function runs with the inductor backend, whose graphs count their
+collectives themselves (``_graph_counts``): traced code then does not look at `_recorders`."""
+
+
+def counting_refused() -> bool:
+    """While Dynamo traces: whether a count is running that the graph would not count (plain
+    ``torch.compile``, or ``fs.compile`` with another backend than inductor)."""
+    return not compiled_counted and bool(_recorders)
 
 
 @contextlib.contextmanager
 def count_collectives():
     """Count the collectives fshard issues inside the block, forward and backward.
 
-    Eager calls only: a compiled shard_map call inside the block raises a `TracingError` (count an
-    eager call of the same step, or read the compiled graph: docs/tutorial/09-compiling.md).
+    Calls of functions compiled with ``fs.compile`` (inductor backend) are counted too: the
+    collectives of the graphs that run, after inductor's bucketing (``combined`` has each bucket
+    of several user calls). A shard_map call traced by plain ``torch.compile``, or by
+    ``fs.compile`` with another backend, inside the block raises a `TracingError`.
 
     Yields:
         CollectiveCounts: filled in as collectives run.
@@ -153,9 +164,11 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
     Outside ``torch.compile`` it also gets its record in ``_watchdog`` (sequence number, call
     site; in debug mode the cross-rank fingerprint check, which raises before anything is sent),
     which `issued` returns until the next collective."""
-    _record(kind, g, t)
     if _compiling():  # a compiled graph shows the functional ops themselves
+        if not compiled_counted:  # (fs.compile's graphs count themselves: _graph_counts)
+            _record(kind, g, t)
         return _NO_SPAN
+    _record(kind, g, t)
     _watch.begin(kind, g, t)
     if not _profiling():
         return _NO_SPAN

@@ -179,8 +179,8 @@ def check_call(name: str, compute_dtype, no_sync: bool, debug: bool, counting: b
     if counting:
         refuse(
             f"fs.shard_map({name}) under fs.count_collectives",
-            "count the collectives of an eager call of the step (compiled, inductor may bucket its "
-            "all-reduces), or read them from the compiled graph (docs/tutorial/09-compiling.md)",
+            "compile the step with fs.compile and the inductor backend, whose compiled calls "
+            "fs.count_collectives counts, or count an eager call of the step",
         )
     if compute_dtype is not None:
         refuse(

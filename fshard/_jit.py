@@ -15,11 +15,14 @@ docs/tutorial/09-compiling.md); three settings make it a good one, and `compile`
   ``FSHARD_COMBINE_MB`` (4 MB), the cap of eager's combining of per-leaf calls: the per-leaf
   FSDP program (``fs.all_gather`` of each parameter) then runs as a few coalesced all-gathers and
   reduce-scatters, as it does eagerly, instead of one per parameter (2x slower than compiled
-  FSDP2 on the demo GPT without it).
+  FSDP2 on the demo GPT without it). The bucketing runs in fshard's post-grad pass
+  (``_graph_counts.CountingPass``, inductor's own functions), which then counts what is left in
+  the graph, so that ``fs.count_collectives`` counts compiled calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +42,7 @@ def _bucket_mb(bucket_id: int) -> float:
 
 _BUCKETED = {
     "bucket_all_reduces_fx": "all",
+    "bucket_all_reduces_fx_bucket_size_determinator": None,  # inductor's default caps
     "bucket_all_gathers_fx": "all",
     "bucket_all_gathers_fx_bucket_size_determinator": _bucket_mb,
     "bucket_reduce_scatters_fx": "all",
@@ -75,8 +79,10 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
         dynamic: as ``torch.compile``'s (``None``: a dim that changes is made dynamic on its
             second size).
         mode: as ``torch.compile``'s (inductor only).
-        options: inductor options, on top of fshard's (the bucketing passes below, unless
-            ``bucket=False``).
+        options: inductor options, on top of fshard's (its post-grad pass, which buckets as
+            below and counts the collectives for ``fs.count_collectives``; a
+            ``post_grad_custom_post_pass`` of the caller's runs first; a ``bucket_*_fx``
+            option set to ``"none"`` turns the bucketing off, as ``bucket=False``).
         bucket: with the inductor backend, bucket the all-reduces of the graph (the compiled
             counterpart of ``shard_map``'s ``bucket_mb``), and its all-gathers and reduce-scatters
             in buckets of ``FSHARD_COMBINE_MB`` (eager's combining of per-leaf calls).
@@ -100,11 +106,19 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
             compile, backend=backend, dynamic=dynamic, mode=mode, options=options, bucket=bucket
         )
     kw: dict[str, Any] = {"backend": backend, "fullgraph": True, "dynamic": dynamic}
-    if backend == "inductor":
-        opts = dict(_BUCKETED) if bucket else {}
-        opts.update(options or {})
-        if opts:
-            kw["options"] = opts
+    counted = backend == "inductor"
+    if counted:
+        from ._graph_counts import CountingPass
+
+        opts = dict(options or {})
+        # the bucketing runs in fshard's pass, which counts what is left (fs.count_collectives),
+        # as inductor's bucket_*_fx settings (the caller's, on top of fshard's) say
+        cfg = {**_BUCKETED, **{k: opts.pop(k) for k in list(opts) if k in _BUCKETED}}
+        kinds = ("all_reduces", "all_gathers", "reduce_scatters")
+        on = bucket and all(cfg[f"bucket_{k}_fx"] != "none" for k in kinds)
+        caps = tuple(cfg.get(f"bucket_{k}_fx_bucket_size_determinator") for k in kinds) if on else None
+        opts["post_grad_custom_post_pass"] = CountingPass(caps, opts.get("post_grad_custom_post_pass"))
+        kw["options"] = opts
         if mode is not None:
             kw["mode"] = mode
     elif options or mode is not None:
@@ -116,7 +130,7 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with torch._dynamo.config.patch(**CONFIG):
+        with torch._dynamo.config.patch(**CONFIG), _counted(counted):
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.InternalTorchDynamoError as e:
@@ -140,3 +154,16 @@ def _fshard_error(e: BaseException) -> BaseException | None:
     if inner.args and isinstance(inner.args[0], str):
         inner.args = (inner.args[0].split("\n\nfrom user code:")[0], *inner.args[1:])
     return inner
+
+
+@contextlib.contextmanager
+def _counted(on: bool):
+    """While an inductor-compiled function runs, its graphs count their own collectives."""
+    from . import _comm
+
+    was = _comm.compiled_counted
+    _comm.compiled_counted = on
+    try:
+        yield
+    finally:
+        _comm.compiled_counted = was

@@ -65,11 +65,17 @@ class AxisGroup:
         if self._make is not None:
             self._group, self._make = self._make(), None
             self.pg_name = getattr(self._group, "group_name", None)
+            if self.pg_name is not None:
+                GROUP_AXES[self.pg_name] = self.names
         return self._group
 
     def __repr__(self) -> str:
         return f"AxisGroup({self.names}, size={self.size})"
 
+
+GROUP_AXES: dict[str, tuple[str, ...]] = {}
+"""The mesh axes of each process group fshard made, by the group's name (how a compiled graph's
+collectives name their group; read by `fs.count_collectives` for compiled calls)."""
 
 _EAGER_AXES = 4  # meshes with at most this many axes of size > 1 make every multi-axis group up front
 _SHARED: dict = {}  # (names, sizes, device type) -> (DeviceMesh, AxisGroups, world group, groups)

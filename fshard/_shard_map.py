@@ -222,7 +222,7 @@ class _ShardMapped:
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             no_sync = not _buckets._sync or bool(_buckets._PENDING)
             _compile.check_call(
-                self.name, self._compute_dtype, no_sync, _debug.enabled, bool(_comm._recorders)
+                self.name, self._compute_dtype, no_sync, _debug.enabled, _comm.counting_refused()
             )
             key = None
             hit = None

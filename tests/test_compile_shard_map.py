@@ -230,8 +230,9 @@ def _rank_refusals():
     for name, body in inside.items():
         f = fs.shard_map(body, mesh=dp, in_specs=in_dp, out_specs=outs[name])
         out[f"torch.func.{name} inside"] = _raised(torch.compile(f, backend="eager", fullgraph=True), *args)
-    # fs.count_collectives does not see inside a compiled call: refused, also for a function
-    # compiled before the counting began (Dynamo guards on it, and traces again)
+    # fs.count_collectives does not see inside a call compiled by plain torch.compile: refused,
+    # also for a function compiled before the counting began (Dynamo guards on it, and traces
+    # again); fs.compile'd calls are counted (tests/test_compile_steps.py, inductor)
     counted = torch.compile(plain, backend="eager", fullgraph=True)
     close([], "", counted(*args), plain(*args))
     with fs.count_collectives() as counts:
@@ -265,9 +266,9 @@ def test_compiled_shard_map_raises_eagers_errors_and_refuses_what_it_does_not_su
             "inside f (w.to(dtype)) instead, or call it eagerly"
         )
         assert _fshard_part(out["count_collectives"]) == (
-            "TracingError: fs.shard_map(_dp_body) under fs.count_collectives" + REFUSED + "count the "
-            "collectives of an eager call of the step (compiled, inductor may bucket its all-reduces), "
-            "or read them from the compiled graph (docs/tutorial/09-compiling.md)"
+            "TracingError: fs.shard_map(_dp_body) under fs.count_collectives" + REFUSED + "compile the "
+            "step with fs.compile and the inductor backend, whose compiled calls fs.count_collectives "
+            "counts, or count an eager call of the step"
         )
         assert out["counted"] == 0
         for name in ("grad inside", "vmap inside", "jvp inside", "grad around"):

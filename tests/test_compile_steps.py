@@ -364,7 +364,39 @@ def _rank_inductor():
     with torch._inductor.config.patch(compile_threads=1):
         _fs_compile_case(errs, dp)
         _fs_compile_fsdp_case(errs, dp)
+        _fs_compile_permute_case(errs, dp)
     return errs
+
+
+def _fs_compile_permute_case(errs, dp):
+    """fs.count_collectives of an fs.compile'd ppermute (compiled as an all-to-all that sends one
+    block) and all_to_all, forward and backward: eager's records; the all-reduces (the psum and
+    the gradient's) may share a bucket compiled, so only their bytes are compared."""
+    import fshard as fs
+
+    def body(w, x):
+        h = fs.ppermute(torch.tanh(x @ w), "dp", [(0, 1), (1, 0)])
+        h = fs.all_to_all(h, "dp", split_dim=1, concat_dim=0)
+        return fs.psum((h**2).sum(), "dp")
+
+    vg = fs.value_and_grad(fs.shard_map(body, mesh=dp, in_specs=("d h", "(dp b) d"), out_specs=""))
+    w, x = randn(60, 4, 6), randn(61, 8, 4)
+    with fs.count_collectives() as eager:
+        eager_loss, eager_grad = vg(w, x)
+    compiled = fs.compile(vg)
+    compiled(w, x)
+    with fs.count_collectives() as counted:
+        loss, grad = compiled(w, x)
+    close(errs, "fs.compile permute: loss vs eager", loss, eager_loss)
+    close(errs, "fs.compile permute: grad vs eager", grad, eager_grad)
+
+    def split(c):
+        moved = sorted(r for r in c.records if r[0] != "all_reduce")
+        return moved, sum(r[2] for r in c.records if r[0] == "all_reduce")
+
+    want = [("all_to_all", ("dp",), 4 * 4 * 6)] * 2 + [("ppermute", ("dp",), 4 * 4 * 6)] * 2
+    if split(counted) != split(eager) or split(eager)[0] != want:
+        errs.append(f"fs.compile permute: counted {counted.records}, eager {eager.records}")
 
 
 def _gloo_ops(fn, *args) -> dict:
@@ -417,9 +449,23 @@ def _fs_compile_fsdp_case(errs, dp):
     compiled(comp_p, x, y)  # traced and compiled
     for p in comp_p.values():
         p.local.grad = None
-    ops = _gloo_ops(compiled, comp_p, x, y)
+    with fs.count_collectives() as counted:
+        ops = _gloo_ops(compiled, comp_p, x, y)
     if ops != {"all_gather": 1, "reduce_scatter": 1}:
         errs.append(f"fs.compile fsdp: {ops} in the compiled step, want one bucket each way")
+    # fs.count_collectives counts the compiled call: what ran (one bucket each way, as the
+    # profiler's events above say, and the loss's pmean), with the bytes eager hands in
+    for p in eager_p.values():
+        p.local.grad = None
+    with fs.count_collectives() as eager_counted:
+        step(eager_p, x, y)
+    kinds = {("all_gather", ("dp",)): 1, ("all_reduce", ("dp",)): 1, ("reduce_scatter", ("dp",)): 1}
+    if sorted(counted.records) != sorted(eager_counted.records) or counted.by_kind() != kinds:
+        errs.append(f"fs.compile fsdp: counted {counted.records}, eager {eager_counted.records}")
+    if sorted(counted.combined) != [("all_gather", ("dp",), 2), ("reduce_scatter", ("dp",), 2)]:
+        errs.append(f"fs.compile fsdp: combined {counted.combined}")
+    if counted.calls != 5 or eager_counted.calls != 5:  # two leaves each way, and the pmean
+        errs.append(f"fs.compile fsdp: {counted.calls} calls counted compiled, {eager_counted.calls} eager")
     got_loss = compiled(comp_p, x, y)  # gradients accumulate over the two calls since the reset
     close(errs, "fs.compile fsdp: loss vs eager", got_loss, eager_loss)
     X, Y = full(x), full(y)
@@ -465,9 +511,16 @@ def _fs_compile_case(errs, dp):
     compiled(comp_p, x, y)  # traced and compiled
     for t in comp_p.values():
         t.grad = None
-    n = _gloo_all_reduces(compiled, comp_p, x, y)
+    with fs.count_collectives() as counted:
+        n = _gloo_all_reduces(compiled, comp_p, x, y)
     if n != 1:
         errs.append(f"fs.compile: {n} all-reduces in the compiled step, want 1 bucket")
+    # counted: the one bucket of the pmean and three gradients (their bytes: 4 + 3 parameters')
+    nbytes = 4 * (1 + sum(v.numel() for v in init.values()))
+    if counted.records != [("all_reduce", ("dp",), nbytes)] or counted.combined != [
+        ("all_reduce", ("dp",), 4)
+    ]:
+        errs.append(f"fs.compile: counted {counted.records}, combined {counted.combined}")
     if eager_counts.total < 2:  # eager: the loss's pmean, then the gradients' bucket
         errs.append(f"eager: {eager_counts}")
     got_loss = compiled(comp_p, x, y)  # gradients accumulate over the two calls since the reset

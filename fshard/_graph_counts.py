@@ -1,0 +1,213 @@
+"""``fs.count_collectives`` for ``fs.compile``'d calls: the collectives of the graph inductor runs.
+
+A compiled call runs no fshard Python, so nothing is counted as it runs unless the graph itself
+says so. ``fs.compile`` gives inductor a graph pass (`CountingPass`) that runs after the graph's
+autograd split, on the forward and on the backward graph alike:
+
+1. it buckets the graph's all-reduces, all-gathers and reduce-scatters with inductor's own
+   bucketing functions (what ``bucket_*_fx`` would do a few passes later; fshard turns those
+   settings off and runs them here, so that what it counts next is what runs);
+2. it reads the functional collectives left in the graph: kind, mesh axes (by the process
+   group's name), bytes each rank hands in, and how many collectives each bucket merged;
+3. it appends one call of the ``fshard::count_collectives`` op, whose argument is that list as a
+   string: at run time, under ``fs.count_collectives``, the op adds the list to the counts (and
+   does nothing otherwise, one op call per graph run). The list lives in the graph's code, so a
+   graph loaded from inductor's cache counts as well.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["CountingPass", "count_op"]
+
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+"""The functional collectives fshard issues (and inductor's bucketed forms), by fshard's kind."""
+
+
+@torch.library.custom_op("fshard::count_collectives", mutates_args=())
+def _count(token: torch.Tensor, records: str) -> None:
+    """Add a compiled graph's collectives (``records``, see `_encode`) to the active counts."""
+    from ._comm import _recorders
+
+    if not _recorders:
+        return
+    wire, combined = _decode(records)
+    for r in _recorders:
+        r.records.extend(wire)
+        r.combined.extend(combined)
+
+
+@_count.register_fake
+def _count_fake(token: torch.Tensor, records: str) -> None:
+    return None
+
+
+count_op = torch.ops.fshard.count_collectives.default
+torch.fx.node.has_side_effect(count_op)  # kept by dead-code elimination: it has no users
+
+
+def _encode(wire: list, combined: list) -> str:
+    rows = [f"w {k} {','.join(a)} {n}" for k, a, n in wire]
+    rows += [f"c {k} {','.join(a)} {n}" for k, a, n in combined]
+    return ";".join(rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(records: str) -> tuple[list, list]:
+    wire: list = []
+    combined: list = []
+    for row in records.split(";") if records else ():
+        tag, kind, axes, n = row.split(" ")
+        (wire if tag == "w" else combined).append((kind, tuple(axes.split(",")), int(n)))
+    return wire, combined
+
+
+def _bytes(arg: Any) -> int:
+    if isinstance(arg, (list, tuple)):
+        return sum(_bytes(a) for a in arg)
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _collective(node: torch.fx.Node) -> str | None:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace != "_c10d_functional":
+        return None
+    return _KINDS.get(target._schema.name.split("::")[-1])
+
+
+def _group_name(node: torch.fx.Node) -> str | None:
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, str) and a in _axes():
+            return a
+    return None
+
+
+def _axes() -> dict:
+    from ._mesh import GROUP_AXES
+
+    return GROUP_AXES
+
+
+def _read(graph: torch.fx.Graph) -> list:
+    """The graph's collectives: ``(kind, axes, bytes this rank hands in)``."""
+    wire: list = []
+    names = _axes()
+    for node in graph.nodes:
+        kind = _collective(node)
+        if kind is None:
+            continue
+        name = _group_name(node)
+        axes = names[name] if name is not None else ("?",)
+        nbytes = _bytes(node.args[0]) if node.args else 0
+        if kind == "all_to_all":  # fs.ppermute compiles as an all-to-all that sends one block
+            kind, nbytes = _permute(node, nbytes)
+            if kind is None:
+                continue
+        wire.append((kind, axes, nbytes))
+    return wire
+
+
+def _permute(node: torch.fx.Node, nbytes: int) -> tuple[str | None, int]:
+    """An all-to-all with at most one non-empty block each way is fs.ppermute's: the bytes this rank
+    sends (fshard counts a ppermute so); one with no block at all is issued by a rank no pair
+    involves, which eager does not issue."""
+    got, sent = node.args[1], node.args[2]  # (input, output_split_sizes, input_split_sizes, group)
+    if not (isinstance(got, (list, tuple)) and isinstance(sent, (list, tuple))):
+        return "all_to_all", nbytes
+    splits = [s for s in (*got, *sent) if isinstance(s, int)]
+    if len(splits) != len(got) + len(sent):
+        return "all_to_all", nbytes
+    got_n, sent_n = splits[: len(got)], splits[len(got) :]
+    if sum(1 for s in sent_n if s) > 1 or sum(1 for s in got_n if s) > 1:
+        return "all_to_all", nbytes
+    total = sum(sent_n)
+    if not total and not any(got_n):
+        return None, 0
+    return "ppermute", nbytes if total else 0
+
+
+class CountingPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Inductor's post-grad pass of ``fs.compile`` (see the module docstring). ``caps``: the size
+    caps (MB, by bucket index) of the all-reduce, all-gather and reduce-scatter buckets, as
+    ``bucket_*_fx = "all"`` would bucket with them (None: inductor's default cap); without
+    ``caps`` nothing is bucketed. ``user``: a post-grad pass of the caller's, run first."""
+
+    def __init__(self, caps: tuple | None, user=None):
+        self.caps = caps
+        self.user = user
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.user is not None:
+            self.user(graph)
+        combined = _bucket(graph, *self.caps) if self.caps is not None else []
+        wire = _read(graph)
+        if not wire:
+            return
+        token = next(n for n in graph.nodes if _collective(n) is not None).args[0]
+        if isinstance(token, (list, tuple)):
+            token = token[0]
+        out = next(n for n in reversed(graph.nodes) if n.op == "output")
+        with graph.inserting_before(out):
+            node = graph.call_function(count_op, (token, _encode(wire, combined)))
+            node.meta["val"] = None
+
+    def uuid(self) -> Any:
+        user = self.user.uuid() if hasattr(self.user, "uuid") else repr(self.user)
+        caps = None if self.caps is None else [getattr(c, "__qualname__", repr(c)) for c in self.caps]
+        return ("fshard.count_collectives", 1, caps, user)
+
+
+def _bucket(graph: torch.fx.Graph, ar_mb, ag_mb, rs_mb) -> list:
+    """Bucket the graph's collectives as inductor's ``bucket_*_fx = "all"`` passes do (the same
+    functions, in the same order); returns ``(kind, axes, calls)`` of each bucket of several."""
+    from torch._inductor import config
+    from torch._inductor.fx_passes import bucketing as b
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    default = b.bucket_cap_mb_by_bucket_idx_default
+    gm = graph.owning_module
+    assert gm is not None, "inductor's post-grad graphs belong to a GraphModule"
+    combined: list = []
+
+    def note(kind: str, buckets) -> None:
+        for nodes in buckets:
+            if len(nodes) > 1:
+                name = _group_name(nodes[0])
+                combined.append((kind, _axes()[name] if name is not None else ("?",), len(nodes)))
+
+    rs = b.bucket_reduce_scatter_by_mb(gm, rs_mb or default, None, config.bucket_reduce_scatters_bucket_mode)
+    if rs:
+        note("reduce_scatter", rs)
+        b.merge_reduce_scatter(gm, rs, config.bucket_reduce_scatters_bucket_mode)
+    ar = b.bucket_all_reduce_by_mb(gm, ar_mb or default)
+    note("all_reduce", ar)
+    for bucket in ar:
+        b.merge_all_reduce_bucket(graph, bucket, "all")
+    ag = b.bucket_all_gather_by_mb(gm, ag_mb or default, None, config.bucket_all_gathers_bucket_mode)
+    if ag:
+        note("all_gather", ag)
+        b.merge_all_gather(gm, ag, config.bucket_all_gathers_bucket_mode)
+    if rs or ar or ag:
+        stable_topological_sort(graph)
+    return combined
