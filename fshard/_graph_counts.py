@@ -42,7 +42,13 @@ _KINDS = {
 """The functional collectives fshard issues (and inductor's bucketed forms), by fshard's kind."""
 
 
-@torch.library.custom_op("fshard::count_collectives", mutates_args=())
+@torch.library.custom_op(
+    "fshard::count_collectives",
+    mutates_args=(),
+    # its Python must run at every run of the graph: not captured in a CUDA graph (mode=
+    # "reduce-overhead" replays the graph around it)
+    tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else (),
+)
 def _count(token: torch.Tensor, records: str) -> None:
     """Add a compiled graph's collectives (``records``, see `_encode`) to the active counts."""
     from ._comm import _recorders
