@@ -13,8 +13,8 @@ are the builders of ``benchmarks.gpt`` and ``benchmarks.fshard_contenders`` (the
   the graph at the bucket boundaries). Reference: DDP compiled.
 * ``--layout fsdp``: fshard with one ``fs.all_gather`` per split parameter at the top of the step,
   eager, compiled (``fs.compile`` buckets the all-gathers and reduce-scatters at eager's combining
-  cap), and compiled with inductor's all-gather / reduce-scatter bucketing uncapped
-  (``bucket_all_gathers_fx`` / ``bucket_reduce_scatters_fx`` = "all", inductor's default size cap);
+  cap), and compiled with inductor's all-gather / reduce-scatter bucketing at inductor's own size
+  cap (``bucket_all_gathers_fx`` / ``bucket_reduce_scatters_fx`` = "all", size determinators None);
   fshard with the demo's blocks through ``fs.fsdp_scan`` (one block gathered at a time, gathered
   again in the backward: the GPT benchmarks' ``fshard``), eager and compiled; FSDP2 (``fully_shard``
   per block and the root) eager and with ``torch.compile`` of the root module, backward outside.
@@ -52,7 +52,14 @@ from . import gpt
 from .timing import timed_block
 
 REFERENCE = {"dp": "DDP compiled", "fsdp": "FSDP2 compiled", "dp_tp": "DTensor compiled"}
-BUCKET_AG_RS = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
+# inductor's all-gather / reduce-scatter bucketing at its own size cap: the size determinators set back
+# to inductor's default (None), over the cap fs.compile sets (eager's combining cap)
+BUCKET_AG_RS = {
+    "bucket_all_gathers_fx": "all",
+    "bucket_all_gathers_fx_bucket_size_determinator": None,
+    "bucket_reduce_scatters_fx": "all",
+    "bucket_reduce_scatters_fx_bucket_size_determinator": None,
+}
 
 
 def contenders(layout: str) -> list[str]:
