@@ -11,11 +11,14 @@ are the builders of ``benchmarks.gpt`` and ``benchmarks.fshard_contenders`` (the
   ``fs.compile`` (one graph, backward traced, gradient all-reduces bucketed by inductor); DDP eager
   and ``torch.compile(DDP(module))`` with ``loss.backward()`` outside (Dynamo's DDP optimizer splits
   the graph at the bucket boundaries). Reference: DDP compiled.
-* ``--layout fsdp``: fshard with one ``fs.all_gather`` per split parameter at the top of the step
-  (``fs.fsdp_scan`` is refused under compile), eager, compiled, and compiled with inductor's
-  all-gather / reduce-scatter bucketing (``bucket_all_gathers_fx`` / ``bucket_reduce_scatters_fx``
-  = "all", default size cap); FSDP2 (``fully_shard`` per block and the root) eager and with
-  ``torch.compile`` of the root module, backward outside. Reference: FSDP2 compiled.
+* ``--layout fsdp``: fshard with one ``fs.all_gather`` per split parameter at the top of the step,
+  eager, compiled (``fs.compile`` buckets the all-gathers and reduce-scatters at eager's combining
+  cap), and compiled with inductor's all-gather / reduce-scatter bucketing at inductor's own size
+  cap (``bucket_all_gathers_fx`` / ``bucket_reduce_scatters_fx`` = "all", size determinators None);
+  fshard with the demo's blocks through ``fs.fsdp_scan`` (one block gathered at a time, gathered
+  again in the backward: the GPT benchmarks' ``fshard``), eager and compiled; FSDP2 (``fully_shard``
+  per block and the root) eager and with ``torch.compile`` of the root module, backward outside.
+  Reference: FSDP2 compiled.
 * ``--layout dp_tp``: mesh (dp, tp=2) (dp = 1 on 2 ranks: pure tensor parallelism); fshard with the
   demo's dp x tp specs, eager and compiled; DTensor TP (``parallelize_module``) + DDP over dp, eager
   and ``torch.compile`` of the DDP module. Reference: DTensor compiled.
@@ -49,7 +52,14 @@ from . import gpt
 from .timing import timed_block
 
 REFERENCE = {"dp": "DDP compiled", "fsdp": "FSDP2 compiled", "dp_tp": "DTensor compiled"}
-BUCKET_AG_RS = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
+# inductor's all-gather / reduce-scatter bucketing at its own size cap: the size determinators set back
+# to inductor's default (None), over the cap fs.compile sets (eager's combining cap)
+BUCKET_AG_RS = {
+    "bucket_all_gathers_fx": "all",
+    "bucket_all_gathers_fx_bucket_size_determinator": None,
+    "bucket_reduce_scatters_fx": "all",
+    "bucket_reduce_scatters_fx_bucket_size_determinator": None,
+}
 
 
 def contenders(layout: str) -> list[str]:
@@ -57,7 +67,7 @@ def contenders(layout: str) -> list[str]:
     native = {"dp": "DDP", "fsdp": "FSDP2", "dp_tp": "DTensor"}[layout]
     out = ["fshard eager", "fshard compiled"]
     if layout == "fsdp":
-        out.append("fshard compiled ag/rs buckets")
+        out += ["fshard compiled ag/rs buckets", "fshard fsdp_scan eager", "fshard fsdp_scan compiled"]
     return out + [f"{native} eager", f"{native} compiled"]
 
 
@@ -83,13 +93,15 @@ def _ctx(layout: str, model: str, batch: int, weights, tokens):
     )
 
 
-def _fshard(ctx, backend: str | None, options: dict | None = None):
+def _fshard(ctx, backend: str | None, options: dict | None = None, scan: bool = False):
     """The fshard step; with ``backend``, the loss and ``loss.backward()`` under ``fs.compile`` (the
-    gradients set to None outside, as every contender does inside its step)."""
+    gradients set to None outside, as every contender does inside its step). In the fsdp layout the
+    split parameters are gathered one leaf at a time at the top of the step, or (``scan``) per block
+    by the demo's ``fs.fsdp_scan``."""
     from .common import Prepared
     from .fshard_contenders import _gather_per_leaf, _gpt_values, gpt_loss
 
-    gather = _gather_per_leaf if ctx.bench == "gpt_fsdp" else None
+    gather = _gather_per_leaf if ctx.bench == "gpt_fsdp" and not scan else None
     f, params, tokens, flat = gpt_loss(ctx, gather=gather)
     locals_ = [p.local for p in flat.values()]
 
@@ -101,7 +113,8 @@ def _fshard(ctx, backend: str | None, options: dict | None = None):
     if backend is not None:
         # a code object of its own: Dynamo caches graphs per code object, and two compiled variants
         # (with and without extra inductor options) must not share one
-        inner.__code__ = inner.__code__.replace(co_name=f"fshard_step_{len(options or {})}")
+        tag = f"{'scan_' if scan else ''}{len(options or {})}"
+        inner.__code__ = inner.__code__.replace(co_name=f"fshard_step_{tag}")
         inner = fs.compile(inner, backend=backend, options=options)
 
     def step():
@@ -116,7 +129,8 @@ def build(name: str, ctx, backend: str):
     """Contender ``name`` (see ``contenders``) on ``ctx``: a ``Prepared``."""
     compiled = backend if name.endswith(("compiled", "buckets")) else None
     if name.startswith("fshard"):
-        return _fshard(ctx, compiled, BUCKET_AG_RS if name.endswith("buckets") else None)
+        options = BUCKET_AG_RS if name.endswith("buckets") else None
+        return _fshard(ctx, compiled, options, scan="fsdp_scan" in name)
     native = {"DDP": gpt.ddp, "FSDP2": gpt.fsdp2, "DTensor": gpt.dtensor_tp_ddp}[name.split()[0]]
     return native(ctx, backend=compiled)
 

@@ -427,13 +427,15 @@ CONTENDERS: dict[str, dict[str, Any]] = {
 # recipe of the layout, and fshard: default bucket_mb, bucket_mb=0, and (in the data-parallel layouts,
 # where buckets apply) the demo's own step, value_and_grad inside shard_map; in the FSDP layouts also
 # the parameters gathered at the top of the step, one leaf at a time (combined, and with
-# FSHARD_COMBINE=0) and as one pytree.
+# FSHARD_COMBINE=0) and as one pytree, next to FSDP2 wrapping the root only (fsdp2_whole).
 _G = "benchmarks.gpt:"
 GPT_NATIVE = {"gpt_dp": "ddp", "gpt_fsdp": "fsdp2", "gpt_dp_tp": "dtensor_tp_ddp", "gpt_fsdp_tp": "fsdp2_tp"}
 for _bench, _native in GPT_NATIVE.items():
     CONTENDERS[_bench] = {
         "handwritten": _G + "handwritten",
         _native: _G + _native,
+        # FSDP2 on the root only (one group): the counterpart of the whole-model forms below
+        **({"fsdp2_whole": _G + "fsdp2_whole"} if _bench == "gpt_fsdp" else {}),
         "fshard": _F + "gpt_fshard",
         "fshard_nobucket": _F + "gpt_fshard_nobucket",
     }

@@ -15,6 +15,8 @@ Contenders here (the torch side; the fshard ones are in ``fshard_contenders.py``
   activations in forward and one of their gradient in backward per attention and per MLP block).
 * ``ddp`` -- ``DistributedDataParallel`` over an ``nn.Module`` GPT (``GPT`` below) with default settings.
 * ``fsdp2`` -- ``fully_shard`` per block, then the root (as torchtitan does).
+* ``fsdp2_whole`` -- ``fully_shard`` on the root only: one group, every parameter gathered once and
+  kept through the backward (the root's default ``reshard_after_forward``).
 * ``dtensor_tp_ddp`` -- ``parallelize_module`` with ``ColwiseParallel`` on q/k/v/w1 and ``RowwiseParallel``
   on wo/w2 over the ``tp`` dim of a 2-D ``DeviceMesh``, then DDP over its ``dp`` dim (torch's TP + DDP
   recipe: ``_pre_dp_module_transform``).
@@ -493,6 +495,26 @@ def fsdp2(ctx: Ctx, backend: str | None = None) -> Prepared:
     params = list(model.parameters())
     opt = ctx.make_optimizer(params)
     step = _module_step(_compiled(model, backend), params, su.local_tokens, su.cfg, opt)
+    return Prepared(step, _module_values(ctx, su.cfg, model), lambda: ctx.memory_state(params, opt))
+
+
+def fsdp2_whole(ctx: Ctx, reshard_after_forward: bool | None = None) -> Prepared:
+    """``fully_shard`` on the root only (one group for all parameters) over the dp mesh dim, with
+    FSDP2's default ``reshard_after_forward`` (``None``: ``False`` for a root): one all-gather of
+    every parameter before the forward, kept through the backward, one reduce-scatter after it --
+    the torch-native counterpart of the whole-model forms (``fshard_leaf``, ``fshard_tree``).
+    ``reshard_after_forward=True`` frees the gathered parameters after the forward and gathers
+    them all again when the backward starts."""
+    from torch.distributed.fsdp import fully_shard
+
+    su = Setup(ctx)
+    if su.tp > 1:
+        raise NotImplementedError("fsdp2_whole is a contender of the 1-D fsdp layout")
+    model = make_module(su.cfg, ctx.weights)
+    fully_shard(model, mesh=su.dm["dp"], reshard_after_forward=reshard_after_forward)
+    params = list(model.parameters())
+    opt = ctx.make_optimizer(params)
+    step = _module_step(model, params, su.local_tokens, su.cfg, opt)
     return Prepared(step, _module_values(ctx, su.cfg, model), lambda: ctx.memory_state(params, opt))
 
 

@@ -472,6 +472,7 @@ def _targets_md(results) -> list[str]:
                     f"| {_bytes(fs['comm']['bytes'])} vs {_bytes(c['min_comm'][1])} ({r:.3f}×) "
                     f"| {'met' if ok else f'**missed** by {(r - 1) * 100:.1f}%'} |"
                 )
+        L.extend(_whole_model_targets(gpt_runs))
         for run in results["runs"]:
             for mem in run.get("memory", []):
                 if mem["bench"] != "gpt_fsdp":
@@ -487,6 +488,55 @@ def _targets_md(results) -> list[str]:
                 )
         L.append("")
     L.extend(_mlp_targets_md(results))
+    return L
+
+
+def _whole_model_targets(gpt_runs) -> list[str]:
+    """The targets of fshard's whole-model FSDP forms (every parameter gathered at the top of the
+    step, kept through the backward) against FSDP2 on the root only (``fsdp2_whole``), when run."""
+    L = []
+    for run in gpt_runs:
+        for c in _find(run, "gpt_fsdp"):
+            rows = c["contenders"]
+            whole, block = rows.get("fsdp2_whole"), rows.get("fsdp2")
+            if not _ok(whole):
+                continue
+            best = min((r for r in (whole, block) if _ok(r)), key=lambda r: r["wall_median"])
+            best_cpu = min(r["cpu_median"] for r in (whole, block) if _ok(r))
+            for name, title, other, other_cpu, limit in (
+                ("fshard_tree", "fshard_tree ≤ 1.0× FSDP2 whole-model", whole, whole["cpu_median"], 1.0),
+                (
+                    "fshard_leaf",
+                    "fshard_leaf ≤ 1.1× the better of FSDP2 whole-model and per-block",
+                    best,
+                    best_cpu,
+                    1.1,
+                ),
+            ):
+                fs = rows.get(name)
+                if not _ok(fs):
+                    continue
+                w = fs["wall_median"] / other["wall_median"]
+                cpu = fs["cpu_median"] / other_cpu
+                L.append(
+                    f"| {title} | {run['world']} | fsdp ({_mesh(c)}) | {c['params']['model']} "
+                    f"| {w:.2f}× ({cpu:.2f}× CPU) | {_verdict(w, limit)} |"
+                )
+    for run in gpt_runs:
+        for mem in run.get("memory", []):
+            o = mem["contenders"].get("fsdp2_whole")
+            if mem["bench"] != "gpt_fsdp" or not _ok(o) or not o.get("peak"):
+                continue
+            for name in ("fshard_leaf", "fshard_tree"):
+                fs = mem["contenders"].get(name)
+                if not _ok(fs) or not fs.get("peak"):
+                    continue
+                r = fs["peak"] / o["peak"]
+                L.append(
+                    f"| {name} peak memory per rank ≤ 1.05× FSDP2 whole-model's | {run['world']} | fsdp "
+                    f"| {mem['params']['model']} | {_bytes(fs['peak'])} vs {_bytes(o['peak'])} ({r:.2f}×) "
+                    f"| {_verdict(r, 1.05)} |"
+                )
     return L
 
 
