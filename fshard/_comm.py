@@ -164,8 +164,10 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
 
 
 def issued() -> tuple | None:
-    """The record of the last collective `_issue` saw (what a later wait marks; see ``_watchdog``)."""
-    return _watch.S.issued
+    """The record of the last collective `_issue` saw (what a later wait marks; see ``_watchdog``);
+    None while compiling (traced collectives get no record, and a read of the record would be a
+    guard on it: the next call after an eager collective would recompile)."""
+    return None if _compiling() else _watch.S.issued
 
 
 def wait_work(work, rec: tuple | None) -> None:
@@ -229,8 +231,10 @@ def _real(g: AxisGroup) -> bool:
 def _reduce_tags(t: torch.Tensor, g: AxisGroup, op: str) -> tuple[tuple | None, list[int] | None]:
     """The record of the collective just issued, and the tags its all-reduce buffer carries (None:
     none, as when compiling or off the CPU; see ``_watchdog``)."""
+    if _compiling():
+        return None, None
     rec = issued()
-    if _compiling() or t.device.type != "cpu" or rec is None or not _real(g):
+    if t.device.type != "cpu" or rec is None or not _real(g):
         return rec, None
     return rec, _watch.reduce_tags(rec, t.dtype, g.size, op)
 
@@ -240,8 +244,8 @@ def _tag_start(t: torch.Tensor, g: AxisGroup) -> torch.Tensor | None:
     their latencies overlap); None when it carries no tag (see ``_watchdog``)."""
     rec = issued()
     if (
-        not _watch.S.gather_tags
-        or _compiling()
+        _compiling()
+        or not _watch.S.gather_tags
         or t.device.type != "cpu"
         or rec is None
         or not rec[0]
