@@ -304,12 +304,34 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Ten
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Gather ``t`` from every index along the axes: returns ``[size, *t.shape]``."""
+    if _compiling() and g.size > 1:
+        return _all_gather_traced(t, g)
     return all_gather_start(t, g).wait()
 
 
 def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``t`` is ``[size, *block]``; returns the sum over ranks of block ``index``."""
+    if _compiling() and g.size > 1:
+        return _reduce_scatter_traced(t, g)
     return reduce_scatter_start(t, g).wait()
+
+
+# While Dynamo traces, the blocking collectives are the functional op and its wait, nothing else:
+# what `all_gather_start` and `reduce_scatter_start` add (the handle, the watchdog's record and
+# tags, the profiler range) is eager-only, and Dynamo would interpret it at each call.
+
+
+def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    with untracked(), torch.no_grad():
+        t = t.contiguous()
+        out = _WAIT(_ALL_GATHER(t.reshape(-1), g.size, _name(g)))
+        return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
+
+
+def _reduce_scatter_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    with untracked(), torch.no_grad():
+        t = _to_blocks_order(t, g, inverse=False).contiguous()
+        return _WAIT(_REDUCE_SCATTER(t.reshape(-1), "sum", g.size, _name(g))).view(t.shape[1:])
 
 
 def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
