@@ -584,7 +584,10 @@ def _localize(x, p: _InPlan, tr, mesh):
     elif code == 2:  # SHARDED
         x = x.local
     else:  # RESHARD
-        x = relayout(x.local, mesh, x.layout, p.layout, x.shape)
+        b = p.layout
+        if _compile.compiling():  # a layout made in traced code: Dynamo cannot call the methods
+            b = Layout(b.dims, b.labels, b.partial)  # of one in a plan made at trace time (_static)
+        x = relayout(x.local, mesh, x.layout, b, x.shape)
     if p.bits:
         _vma.tag(x, tr, p.bits)
     return x
