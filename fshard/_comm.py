@@ -316,14 +316,16 @@ def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     return reduce_scatter_start(t, g).wait()
 
 
-# While Dynamo traces, the blocking collectives are the functional op and its wait, nothing else:
-# what `all_gather_start` and `reduce_scatter_start` add (the handle, the watchdog's record and
-# tags, the profiler range) is eager-only, and Dynamo would interpret it at each call.
+# While Dynamo traces, the blocking collectives are the functional op, its wait and the
+# `count_collectives` record: what `all_gather_start` and `reduce_scatter_start` add (the handle,
+# the watchdog's record and tags, the profiler range) is eager-only, and Dynamo would interpret it
+# at each call.
 
 
 def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = t.contiguous()
+        _record("all_gather", g, t)
         out = _WAIT(_ALL_GATHER(t.reshape(-1), g.size, _name(g)))
         return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
 
@@ -331,6 +333,7 @@ def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _reduce_scatter_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = _to_blocks_order(t, g, inverse=False).contiguous()
+        _record("reduce_scatter", g, t)
         return _WAIT(_REDUCE_SCATTER(t.reshape(-1), "sum", g.size, _name(g))).view(t.shape[1:])
 
 
