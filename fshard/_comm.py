@@ -177,8 +177,10 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
 
 
 def issued() -> tuple | None:
-    """The record of the last collective `_issue` saw (what a later wait marks; see ``_watchdog``)."""
-    return _watch.S.issued
+    """The record of the last collective `_issue` saw (what a later wait marks; see ``_watchdog``);
+    None while compiling (traced collectives get no record, and a read of the record would be a
+    guard on it: the next call after an eager collective would recompile)."""
+    return None if _compiling() else _watch.S.issued
 
 
 def wait_work(work, rec: tuple | None) -> None:
@@ -242,8 +244,10 @@ def _real(g: AxisGroup) -> bool:
 def _reduce_tags(t: torch.Tensor, g: AxisGroup, op: str) -> tuple[tuple | None, list[int] | None]:
     """The record of the collective just issued, and the tags its all-reduce buffer carries (None:
     none, as when compiling or off the CPU; see ``_watchdog``)."""
+    if _compiling():
+        return None, None
     rec = issued()
-    if _compiling() or t.device.type != "cpu" or rec is None or not _real(g):
+    if t.device.type != "cpu" or rec is None or not _real(g):
         return rec, None
     return rec, _watch.reduce_tags(rec, t.dtype, g.size, op)
 
@@ -253,8 +257,8 @@ def _tag_start(t: torch.Tensor, g: AxisGroup) -> torch.Tensor | None:
     their latencies overlap); None when it carries no tag (see ``_watchdog``)."""
     rec = issued()
     if (
-        not _watch.S.gather_tags
-        or _compiling()
+        _compiling()
+        or not _watch.S.gather_tags
         or t.device.type != "cpu"
         or rec is None
         or not rec[0]
@@ -313,12 +317,37 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Ten
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Gather ``t`` from every index along the axes: returns ``[size, *t.shape]``."""
+    if _compiling() and g.size > 1:
+        return _all_gather_traced(t, g)
     return all_gather_start(t, g).wait()
 
 
 def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``t`` is ``[size, *block]``; returns the sum over ranks of block ``index``."""
+    if _compiling() and g.size > 1:
+        return _reduce_scatter_traced(t, g)
     return reduce_scatter_start(t, g).wait()
+
+
+# While Dynamo traces, the blocking collectives are the functional op, its wait and the
+# `count_collectives` record: what `all_gather_start` and `reduce_scatter_start` add (the handle,
+# the watchdog's record and tags, the profiler range) is eager-only, and Dynamo would interpret it
+# at each call.
+
+
+def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    with untracked(), torch.no_grad():
+        t = t.contiguous()
+        _record("all_gather", g, t)
+        out = _WAIT(_ALL_GATHER(t.reshape(-1), g.size, _name(g)))
+        return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
+
+
+def _reduce_scatter_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    with untracked(), torch.no_grad():
+        t = _to_blocks_order(t, g, inverse=False).contiguous()
+        _record("reduce_scatter", g, t)
+        return _WAIT(_REDUCE_SCATTER(t.reshape(-1), "sum", g.size, _name(g))).view(t.shape[1:])
 
 
 def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:

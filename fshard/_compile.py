@@ -11,7 +11,9 @@ trace is kept out of the traced path here:
   one, so the primitives' rules read as torch's default while compiling (`hide_jvp`);
 - functorch's wrapper test (a C function Dynamo cannot inline): no tensor Dynamo traces is a
   functorch wrapper, so its polyfill answers False;
-- the pure, ``lru_cache``'d spec parsing and binding: traced through without the cache;
+- a call's input planning and out_specs check: run at trace time as constants (``_static``),
+  where the inputs have static shapes and plain containers; otherwise the pure, ``lru_cache``'d
+  spec parsing and binding are traced through without the cache;
 - the trace ids (an ``itertools.count``): read at trace time as a constant (`next_id`);
 - a dict whose leaves are all constants (a spec tree): torch's polyfill of optree's dict flatten
   runs optree's own function on it (constant folding), whose metadata since optree 0.20 (a

@@ -152,7 +152,7 @@ def gather_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
 
 def gather_operand(x: torch.Tensor, dim: int, tiled) -> torch.Tensor:
     """What each rank hands to the all-gather: ``x``, padded to the longest block when uneven."""
-    return _pad(x, dim, max(tiled)) if type(tiled) is tuple else x
+    return _pad(x, dim, max(tiled)) if isinstance(tiled, tuple) else x
 
 
 def _pad(x: torch.Tensor, dim: int, m: int) -> torch.Tensor:
@@ -169,7 +169,7 @@ def _pad(x: torch.Tensor, dim: int, m: int) -> torch.Tensor:
 def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled) -> torch.Tensor:
     """Gathered ``[N, *shape]`` blocks (padded to the longest when uneven) as the all_gather
     result along ``dim``."""
-    if type(tiled) is tuple:
+    if isinstance(tiled, tuple):
         return torch.cat([blocks[i].narrow(dim, 0, k) for i, k in enumerate(tiled)], dim)
     if not tiled:
         return _owned(blocks.movedim(0, dim))
@@ -180,7 +180,7 @@ def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled) -> torch.Tens
 
 def split_blocks(x: torch.Tensor, n: int, dim: int, tiled) -> torch.Tensor:
     """``x`` as ``[n, *block]``: block j is the j-th piece of ``dim`` (padded when uneven)."""
-    if type(tiled) is tuple:
+    if isinstance(tiled, tuple):
         m = max(tiled)
         return torch.stack([_pad(p, dim, m) for p in x.split(list(tiled), dim)])
     if not tiled:
@@ -197,14 +197,14 @@ def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
 
 def scattered_block(out: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     """A reduce-scatter's block of `split_blocks` as the psum_scatter result (trimmed when uneven)."""
-    if type(tiled) is tuple and out.shape[dim] != tiled[g.index]:
+    if isinstance(tiled, tuple) and out.shape[dim] != tiled[g.index]:
         return out.narrow(dim, 0, tiled[g.index]).clone()
     return _owned(out)
 
 
 def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim`` (no communication)."""
-    if type(tiled) is tuple:
+    if isinstance(tiled, tuple):
         i = g.index
         return x.narrow(dim, sum(tiled[:i]), tiled[i])
     if not tiled:

@@ -16,7 +16,7 @@ import math
 import optree
 import torch
 
-from . import _buckets, _comm, _compile, _debug, _mesh, _spec, _stages, _vma
+from . import _buckets, _comm, _compile, _debug, _mesh, _spec, _stages, _static, _vma
 from ._buckets import DEFAULT_BUCKET_MB
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
 from ._layout import Layout, bind
@@ -137,13 +137,19 @@ class OutKind(enum.Enum):
     SHARDED = "sharded"  # a Sharded value
 
 
+_LOCALIZE = {InKind.PASS: 0, InKind.GLOBAL: 1, InKind.PER_RANK: 1, InKind.SHARDED: 2, InKind.RESHARD: 3}
+
+
 class _InPlan:
     """How to turn one input leaf into its local block."""
 
-    __slots__ = ("kind", "layout", "bits", "slices", "groups", "path")
+    __slots__ = ("kind", "code", "layout", "bits", "slices", "groups", "path")
 
     def __init__(self, kind: InKind, layout=None, bits=0, slices=(), groups=(), path=""):
         self.kind = kind
+        # what _localize does, as an int: a compiled call reads its plan as a constant, and Dynamo
+        # guards an enum read from it by identity, through a name its guards cannot see (_static)
+        self.code = _LOCALIZE[kind]  # (PER_RANK, set later by _stages, is sliced as GLOBAL)
         self.layout = layout
         self.bits = bits
         self.path = path
@@ -194,6 +200,7 @@ class _ShardMapped:
         self._all_bits = mesh.bits(mesh.axis_names)
         self._out_specs_checked = False
         self._per_rank: dict = {}  # treedef -> the treedef f sees (fs.PerRank values unwrapped, _stages)
+        self._id = _static.register(self)  # by which compiled calls plan at trace time (_static)
 
     @property
     def mesh(self) -> Mesh:
@@ -225,7 +232,7 @@ class _ShardMapped:
                 self.name, self._compute_dtype, no_sync, _debug.enabled, _comm.counting_refused()
             )
             key = None
-            hit = None
+            hit = _static.input_plan(self, leaves, treedef)  # the eager planning, a constant (_static)
         else:
             key = (treedef, *[(x.shape, x.dtype) if type(x) is _Tensor else _leaf_key(x) for x in leaves])
             hit = self._in_plans.get(key)
@@ -234,30 +241,24 @@ class _ShardMapped:
                 leaves = [from_dtensor(x) if _is_dtensor(x) else x for x in leaves]
                 args = optree.tree_unflatten(treedef, leaves)
                 return self(*args)
-            plans, sizes = self._plan_inputs(args, leaves, treedef)
-            uneven = any(
-                p.kind is not InKind.PASS and not p.layout.is_even(x.shape, self.mesh.shape)
-                for x, p in zip(leaves, plans)
-            )
-            hit = (
-                plans,
-                tuple(i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL),
-                [p.bits for p in plans],  # varying axes of each block (0 for non-tensors)
-                sizes,  # the global size of each dim label
-                uneven,  # some input has uneven blocks
-            )
-            if compiling:
-                if uneven:
-                    _compile.refuse(
-                        f"fs.shard_map({self.name}) with uneven blocks (a dim not divisible by its mesh axes)",
-                        "pad the inputs to a multiple of the mesh axes' sizes, or call it eagerly",
-                    )
-            else:
+            hit = self._plan_hit(args, leaves, treedef)
+            if not compiling:
                 _remember(self._in_plans, key, hit)
-        elif len(self._in_plans) > 8:  # keep the LRU order once there are several plans
+        elif not compiling and len(self._in_plans) > 8:  # keep the LRU order once there are several plans
             self._in_plans.move_to_end(key)
         plans, global_idx, masks, label_sizes, uneven = hit
-        if compiling or not self._out_specs_checked:  # (compiled: no flag for Dynamo to guard on)
+        if compiling:
+            if uneven:
+                _compile.refuse(
+                    f"fs.shard_map({self.name}) with uneven blocks (a dim not divisible by its mesh axes)",
+                    "pad the inputs to a multiple of the mesh axes' sizes, or call it eagerly",
+                )
+            # (no flag for Dynamo to guard on: checked at each trace, as a constant where it can be)
+            if self._id is None:
+                self._precheck_out_specs()
+            else:
+                _static.precheck_out_specs(self._id)
+        elif not self._out_specs_checked:
             self._precheck_out_specs()
         mesh = self.mesh
         if _debug.enabled:
@@ -324,6 +325,22 @@ class _ShardMapped:
         return optree.tree_unflatten(out_treedef, done)
 
     # == planning ===========================================================================
+
+    def _plan_hit(self, args, leaves, treedef) -> tuple:
+        """The plan of a call: ``(plans, indices of the global inputs, varying bits per leaf,
+        global size of each dim label, whether some input has uneven blocks)``."""
+        plans, sizes = self._plan_inputs(args, leaves, treedef)
+        uneven = any(
+            p.kind is not InKind.PASS and not p.layout.is_even(x.shape, self.mesh.shape)
+            for x, p in zip(leaves, plans)
+        )
+        return (
+            plans,
+            tuple(i for i, p in enumerate(plans) if p.kind is InKind.GLOBAL),
+            [p.bits for p in plans],  # varying axes of each block (0 for non-tensors)
+            sizes,  # the global size of each dim label
+            uneven,  # some input has uneven blocks
+        )
 
     def _plan_inputs(self, args, leaves, treedef):
         mesh = self.mesh
@@ -553,10 +570,10 @@ def _leaf_key(x):
 
 
 def _localize(x, p: _InPlan, tr, mesh):
-    kind = p.kind
-    if kind is InKind.PASS:
+    code = p.code  # (not p.kind: see _InPlan)
+    if code == 0:  # PASS
         return x
-    if kind is InKind.GLOBAL or kind is InKind.PER_RANK:
+    if code == 1:  # GLOBAL, PER_RANK
         if p.slices:
             if x.requires_grad and torch.is_grad_enabled():
                 for d, g, tiled in p.groups:
@@ -564,10 +581,13 @@ def _localize(x, p: _InPlan, tr, mesh):
             else:
                 for d, start, n in p.slices:
                     x = x.narrow(d, start, n)
-    elif kind is InKind.SHARDED:
+    elif code == 2:  # SHARDED
         x = x.local
-    else:
-        x = relayout(x.local, mesh, x.layout, p.layout, x.shape)
+    else:  # RESHARD
+        b = p.layout
+        if _compile.compiling():  # a layout made in traced code: Dynamo cannot call the methods
+            b = Layout(b.dims, b.labels, b.partial)  # of one in a plan made at trace time (_static)
+        x = relayout(x.local, mesh, x.layout, b, x.shape)
     if p.bits:
         _vma.tag(x, tr, p.bits)
     return x

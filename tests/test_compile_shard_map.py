@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import run_ranks
-from tests.helpers import assert_ok, close, compile_counter, mse, randn
+from tests.helpers import assert_ok, close, compile_counter, full, mse, randn
 
 N = 2  # ranks
 CALLS = 10  # calls of each compiled function with fixed shapes: still one graph
@@ -284,4 +284,95 @@ def test_compiled_shard_map_raises_eagers_errors_and_refuses_what_it_does_not_su
             "pending)"
             + REFUSED
             + "compile the step outside fs.no_sync and call the micro-batch steps eagerly"
+        )
+
+
+def _mixed_body(p, x, y, scale):
+    import fshard as fs
+
+    w1 = fs.all_gather(p["w1"], "dp", dim=0, tiled=True)
+    w2 = fs.all_gather(p["w2"], "dp", dim=1, tiled=True)
+    return fs.pmean(mse(torch.tanh(x @ w1) @ w2 * scale, y), "dp")
+
+
+def _rank_trace_time_plans():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):  # fs.value_and_grad traced
+        return _trace_time_plans()
+
+
+def _trace_time_plans():
+    import fshard as fs
+
+    errs: list[str] = []
+    out: dict = {}
+    dp = fs.Mesh(dp=N)
+    w1, w2 = randn(60, 4, 8), randn(61, 8, 4)
+    x, y = randn(62, 8, 4), randn(63, 8, 4)
+    # w1 is stored as its in_spec says, w2 in another layout (moved at the call), x and y are
+    # global tensors (sliced), the scale a Python number (passed through)
+    params = {"w1": fs.shard(w1, dp, "(dp d) h"), "w2": fs.shard(w2, dp, "(dp h) o")}
+    in_specs = ({"w1": "(dp d) h", "w2": "h (dp o)"}, "(dp b) d", "(dp b) o", None)
+    f = fs.value_and_grad(fs.shard_map(_mixed_body, mesh=dp, in_specs=in_specs, out_specs="..."))
+    backend, stats = compile_counter()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    want_loss, want_grads = _reference(lambda a, b, x, y: mse(torch.tanh(x @ a) @ b * 0.5, y), [w1, w2], x, y)
+    # compiled, eager, compiled again: the eager call leaves nothing a guard of the graph reads
+    for i, fn in enumerate([compiled, compiled, f, compiled, compiled]):
+        loss, grads = fn(params, x, y, 0.5)
+        close(errs, f"call {i}: loss vs one process", loss, want_loss)
+        for k, w in zip(("w1", "w2"), want_grads):
+            close(errs, f"call {i}: grad {k} vs one process", full(grads[k]), w)
+            if grads[k].spec != params[k].spec:
+                errs.append(f"call {i}: grad {k} has spec {grads[k].spec!r}, want {params[k].spec!r}")
+    out["graphs"] = stats["graphs"]
+    out["ops"] = sorted(stats["ops"])
+    # spec errors found by the planning, raised at trace time with eager's text
+    in_bad = ("h e", "(dp h o", "(dp b) e", "(dp b) o")
+    bad = fs.shard_map(_dp_body, mesh=dp, in_specs=in_bad, out_specs="...")
+    args = (w1, w2[:, :3], x, y[:, :3])
+    out["in_specs eager"] = _raised(bad, *args)
+    out["in_specs compiled"] = _raised(torch.compile(bad, backend="eager", fullgraph=True), *args)
+    bad_out = fs.shard_map(
+        _dp_body, mesh=dp, in_specs=in_bad[:1] + ("...",) + in_bad[2:], out_specs="| sum(dq)"
+    )
+    args = (w1.T, w2[:, :3], x, y[:, :3])
+    out["out_specs eager"] = _raised(bad_out, *args)
+    out["out_specs compiled"] = _raised(torch.compile(bad_out, backend="eager", fullgraph=True), *args)
+    return errs, out
+
+
+def test_compiled_calls_plan_at_trace_time_as_eager_does():
+    got = run_ranks(N, _rank_trace_time_plans, timeout=110)
+    assert_ok([errs for errs, _ in got])
+    for _, out in got:
+        assert out["graphs"] == 1, out  # no recompile over the calls, also after the eager one
+        # w2 moved from dim 0 to dim 1 (one all-to-all, and back in the backward), the two
+        # gathers and their reduce-scatters, the pmean
+        assert out["ops"] == [
+            "all_gather_into_tensor",
+            "all_gather_into_tensor",
+            "all_reduce",
+            "all_to_all_single",
+            "all_to_all_single",
+            "reduce_scatter_tensor",
+            "reduce_scatter_tensor",
+        ], out["ops"]
+        for what in ("in_specs", "out_specs"):
+            assert out[f"{what} compiled"].startswith("InternalTorchDynamoError: "), out[f"{what} compiled"]
+            assert _fshard_part(out[f"{what} compiled"]) == out[f"{what} eager"], what
+        assert out["in_specs eager"] == (
+            "SpecError: fs.shard_map(_dp_body): 2 problems with in_specs:\n"
+            '  - args[1]: invalid spec "(dp h o": unbalanced parenthesis\n'
+            "      (dp h o\n"
+            "      ^\n"
+            '    fix: close the group with ")"\n'
+            "  - dim 'e' has size 8 in args[0] but size 4 in args[2] (spec '(dp b) e', shape (8, 4)); a "
+            "label names one logical dim, so its global size must agree everywhere; rename one of them, "
+            "or write _ for a dim that should not tie"
+        )
+        assert out["out_specs eager"] == (
+            "SpecError: fs.shard_map(_dp_body): 1 problem with out_specs:\n"
+            "  - out_specs '| sum(dq)': sum(dq) names 'dq', which is not an axis of Mesh(dp=2) (did you "
+            "mean 'dp'?)"
         )
