@@ -338,7 +338,8 @@ def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = t.contiguous()
-        _record("all_gather", g, t)
+        if not compiled_counted:  # (fs.compile's graphs count themselves: _graph_counts)
+            _record("all_gather", g, t)
         out = _WAIT(_ALL_GATHER(t.reshape(-1), g.size, _name(g)))
         return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
 
@@ -346,7 +347,8 @@ def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _reduce_scatter_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = _to_blocks_order(t, g, inverse=False).contiguous()
-        _record("reduce_scatter", g, t)
+        if not compiled_counted:
+            _record("reduce_scatter", g, t)
         return _WAIT(_REDUCE_SCATTER(t.reshape(-1), "sum", g.size, _name(g))).view(t.shape[1:])
 
 

@@ -384,9 +384,12 @@ def _fs_compile_permute_case(errs, dp):
     with fs.count_collectives() as eager:
         eager_loss, eager_grad = vg(w, x)
     compiled = fs.compile(vg)
-    compiled(w, x)
+    with fs.count_collectives() as first:  # traced and compiled inside the block: counted once
+        compiled(w, x)
     with fs.count_collectives() as counted:
         loss, grad = compiled(w, x)
+    if first.records != counted.records:
+        errs.append(f"fs.compile permute: first call counted {first.records}, then {counted.records}")
     close(errs, "fs.compile permute: loss vs eager", loss, eager_loss)
     close(errs, "fs.compile permute: grad vs eager", grad, eager_grad)
 
@@ -446,7 +449,8 @@ def _fs_compile_fsdp_case(errs, dp):
     x, y = _batch(0)
     eager_loss = step(eager_p, x, y)
     compiled = fs.compile(step)
-    compiled(comp_p, x, y)  # traced and compiled
+    with fs.count_collectives() as first:  # traced and compiled inside the block: counted once
+        compiled(comp_p, x, y)
     for p in comp_p.values():
         p.local.grad = None
     with fs.count_collectives() as counted:
@@ -462,6 +466,8 @@ def _fs_compile_fsdp_case(errs, dp):
     kinds = {("all_gather", ("dp",)): 1, ("all_reduce", ("dp",)): 1, ("reduce_scatter", ("dp",)): 1}
     if sorted(counted.records) != sorted(eager_counted.records) or counted.by_kind() != kinds:
         errs.append(f"fs.compile fsdp: counted {counted.records}, eager {eager_counted.records}")
+    if first.records != counted.records:
+        errs.append(f"fs.compile fsdp: first call counted {first.records}, then {counted.records}")
     if sorted(counted.combined) != [("all_gather", ("dp",), 2), ("reduce_scatter", ("dp",), 2)]:
         errs.append(f"fs.compile fsdp: combined {counted.combined}")
     if counted.calls != 5 or eager_counted.calls != 5:  # two leaves each way, and the pmean
