@@ -134,6 +134,14 @@ def _record(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
             r.records.append(item)
 
 
+def _record_traced(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
+    """`_record` while Dynamo traces: under plain torch.compile the trace is where a count sees the
+    call (Dynamo guards on the counts, so a call in a new count traces again); an ``fs.compile``'d
+    graph counts its collectives itself when it runs (``_graph_counts``)."""
+    if not compiled_counted:
+        _record(kind, g, t)
+
+
 def record_combined(kind: str, g: AxisGroup, calls: int) -> None:
     """Note that the collective just recorded carries ``calls`` user calls (see `CollectiveCounts`)."""
     if _recorders and g.size > 1:
@@ -165,8 +173,7 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
     site; in debug mode the cross-rank fingerprint check, which raises before anything is sent),
     which `issued` returns until the next collective."""
     if _compiling():  # a compiled graph shows the functional ops themselves
-        if not compiled_counted:  # (fs.compile's graphs count themselves: _graph_counts)
-            _record(kind, g, t)
+        _record_traced(kind, g, t)
         return _NO_SPAN
     _record(kind, g, t)
     _watch.begin(kind, g, t)
@@ -338,8 +345,7 @@ def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = t.contiguous()
-        if not compiled_counted:  # (fs.compile's graphs count themselves: _graph_counts)
-            _record("all_gather", g, t)
+        _record_traced("all_gather", g, t)
         out = _WAIT(_ALL_GATHER(t.reshape(-1), g.size, _name(g)))
         return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
 
@@ -347,8 +353,7 @@ def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _reduce_scatter_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = _to_blocks_order(t, g, inverse=False).contiguous()
-        if not compiled_counted:
-            _record("reduce_scatter", g, t)
+        _record_traced("reduce_scatter", g, t)
         return _WAIT(_REDUCE_SCATTER(t.reshape(-1), "sum", g.size, _name(g))).view(t.shape[1:])
 
 
