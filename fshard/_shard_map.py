@@ -171,7 +171,7 @@ class _OutPlan:
         self.uneven = False  # a reduce-scatter into uneven blocks
 
 
-class _ShardMapped:
+class _ShardMapped(_static.Fixed):
     def __init__(
         self,
         f,

@@ -34,7 +34,25 @@ from . import _compile, _mesh
 from ._layout import Layout
 from ._sharded import Sharded
 
-__all__ = ["register", "input_plan", "precheck_out_specs"]
+__all__ = ["Fixed", "register", "input_plan", "precheck_out_specs"]
+
+
+class Fixed:
+    """Base of a shard_map'd function: what its plans are made from (``f``, ``in_specs``,
+    ``out_specs``, ``check``) is set once. The plans are cached per call signature, and a compiled
+    call's plan is a constant of its graph: a reassigned spec would leave both meaning the old one."""
+
+    _FIXED = frozenset(("f", "in_specs", "out_specs", "check"))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._FIXED and name in self.__dict__:
+            raise AttributeError(
+                f"fs.shard_map({self.__dict__.get('name', '?')}): {name} cannot be reassigned (the plans "
+                f"made from it are cached, and compiled into graphs); make a new fs.shard_map(f, mesh=..., "
+                f"in_specs=..., out_specs=...) instead"
+            )
+        object.__setattr__(self, name, value)
+
 
 _BY_ID: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 _ids = itertools.count(1)

@@ -463,6 +463,22 @@ def test_single_process_shard_map_errors_match():
     assert str(err.value) == "fs.psum: 'dpp' is not an axis of Mesh(dp=1) (did you mean 'dp'?)"
 
 
+def test_shard_map_specs_cannot_be_reassigned():
+    # its plans are cached (and compiled into graphs): a reassigned spec would go unseen
+    mapped = fs.shard_map(_ident, mesh=fs.Mesh(dp=1), in_specs="(dp b) n", out_specs="(dp b) n")
+    x = torch.arange(12.0).reshape(4, 3)
+    assert torch.equal(mapped(x).full(), x)
+    for name in ("in_specs", "out_specs", "check", "f"):
+        with pytest.raises(AttributeError) as err:
+            setattr(mapped, name, "b n")
+        assert str(err.value) == (
+            f"fs.shard_map(_ident): {name} cannot be reassigned (the plans made from it are cached, and "
+            "compiled into graphs); make a new fs.shard_map(f, mesh=..., in_specs=..., out_specs=...) instead"
+        )
+    assert mapped.in_specs == "(dp b) n"
+    assert torch.equal(mapped(x).full(), x)
+
+
 # --- fs.shard(src=r) with no tensor on rank r ------------------------------------------------------
 
 
