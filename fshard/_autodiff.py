@@ -27,6 +27,11 @@ def _prepare(tree):
         return _prepare_in(tree, tr)
 
 
+def _path(treedef, i: int) -> str:
+    """The key path of leaf ``i`` of the differentiated arguments (named in errors)."""
+    return "grad argument" + "".join(f"[{k!r}]" for k in optree.treespec_paths(treedef)[i])
+
+
 def _prepare_in(tree, tr):
     leaves, treedef = optree.tree_flatten(tree)
     prim, new = [], []
@@ -51,7 +56,9 @@ def _prepare_in(tree, tr):
         idx = [i for i, x in enumerate(new) if isinstance(x, torch.Tensor) and prim[i] is x]
         masks = [_vma.get(new[i], tr) for i in idx]
         all_bits = tr.mesh.bits(tr.mesh.axis_names)
-        vis = _buckets.wrap([new[i] for i in idx], masks, tr, all_bits, tr.bucket_mb)
+        vis = _buckets.wrap(
+            [new[i] for i in idx], masks, tr, all_bits, tr.bucket_mb, path=lambda k: _path(treedef, idx[k])
+        )
         for i, v in zip(idx, vis):
             new[i] = v
     return leaves, treedef, prim, optree.tree_unflatten(treedef, new)

@@ -42,12 +42,15 @@ thread, so the ready order could differ between ranks).
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from . import _comm
+from . import _watchdog as _watch
 from ._comm import untracked
+from ._errors import CollectiveError
 from ._mesh import AxisGroup
 from ._primitives import AllReduce, _functorch_active, apply
 from ._vma import tag
@@ -142,9 +145,10 @@ class BoundaryState:
         "next",
         "extra",
         "launched",
+        "where",
     )
 
-    def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None):
+    def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None, where=None):
         n = len(xs)
         self.groups: list[AxisGroup | None] = [None] * n
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
@@ -165,7 +169,8 @@ class BoundaryState:
         self.slot: dict = {}  # input index -> (bucket, position)
         self.next = 0  # the next bucket to launch: buckets go strictly in plan order
         self.extra: list = []  # gradients outside the plan (launched at the boundary, by index)
-        self.launched: list = []  # (work, flat, indices, shapes, record), in launch order
+        self.launched: list = []  # (work, flat, indices, shapes, record, tags, salt), in launch order
+        self.where = where  # (function name, key path of input i) for errors, or None
 
     def begin(self) -> None:
         """Start this backward's buckets; drop what an abandoned backward of the graph left."""
@@ -221,6 +226,17 @@ class BoundaryState:
             b[4] += nbytes
             if b[4] >= b[5]:
                 del open_[key]
+        # What each bucket holds travels in the tags of its all-reduce (CPU): ranks whose plans
+        # differ (f used an input on some ranks only) raise instead of summing misaligned buckets.
+        # Per axis group: its members hold the same blocks of the inputs reduced over it.
+        per: dict = {}
+        for b in plan:
+            per.setdefault(b[0][0], []).append((b[1], str(b[0][1])))
+        sigs = {g: zlib.crc32(repr(v).encode()) for g, v in per.items()}
+        seen: dict = {}
+        for b in plan:
+            k = seen[b[0][0]] = seen.get(b[0][0], -1) + 1
+            b.append((sigs[b[0][0]], k))
         self.plan = plan
 
     def tap_present(self, i: int) -> bool:
@@ -240,7 +256,7 @@ class BoundaryState:
         """Put input ``i``'s unreduced gradient ``ct`` in its planned bucket; launch, in plan order,
         every bucket that is now complete."""
         if not ct.numel():  # nothing to reduce
-            self.launched.append((None, ct.reshape(-1), [i], [ct.shape], None))
+            self.launched.append((None, ct.reshape(-1), [i], [ct.shape], None, None, g))
             return
         if self.plan is None:
             self.make_plan(lambda k: k == i or self.tap_present(k))
@@ -261,14 +277,33 @@ class BoundaryState:
         for k, i in enumerate(idx):  # a gradient that never came on this rank: zeros
             if cts[k] is None:
                 cts[k] = torch.zeros(self.shapes[i], dtype=key[1], device=key[2])
-        self._reduce(key[0], idx, cts)
+        self._reduce(key[0], idx, cts, b[7])
 
-    def _reduce(self, g: AxisGroup, idx: list, cts: list) -> None:
-        # a copy (ct may be shared with other grads): one C++ call for a bucket of many
-        flat = _flatten(cts) if len(cts) > 1 else torch.cat([cts[0].reshape(-1)])
-        with _comm._issue("all_reduce", g, flat):  # counted, and labelled while profiling
+    def _reduce(self, g: AxisGroup, idx: list, cts: list, salt) -> None:
+        # a copy (ct may be shared with other grads): one C++ call for a bucket of many, with
+        # room for the tags after the data
+        dtype = cts[0].dtype
+        k = _comm.reduce_tag_len(g, dtype, cts[0].device)
+        if k:
+            flat = _flatten([*cts, cts[0].new_zeros(2 * k)])
+        else:
+            flat = _flatten(cts) if len(cts) > 1 else torch.cat([cts[0].reshape(-1)])
+        n = flat.numel() - 2 * k
+        tags = None
+        # counted, labelled while profiling; under fs.debug, checked with what it holds before it is sent
+        with _comm._issue(
+            "all_reduce", g, flat[:n] if k else flat, salt, lambda: f"a bucket of {self._held(idx)}"
+        ):
+            rec = _comm.issued()
+            if k and rec is not None:
+                # the collective's own tag, then one with what the bucket holds mixed in
+                mine = _watch.reduce_tags(rec, dtype, g.size, "sum")
+                held = _watch.reduce_tags(rec, dtype, g.size, "sum", salt)
+                if mine is not None and held is not None:
+                    tags = (mine, held)
+                    flat[n:].copy_(torch.tensor(mine + held, dtype=dtype))
             work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
-        self.launched.append((work, flat, idx, [c.shape for c in cts], _comm.issued()))
+        self.launched.append((work, flat, idx, [c.shape for c in cts], rec, tags, g))
 
     def finish(self, grads: list) -> None:
         """Launch the buckets still waiting (in plan order), wait for all, add the sums into ``grads``."""
@@ -277,12 +312,14 @@ class BoundaryState:
             self._launch(plan[self.next])
             self.next += 1
         for i, g, ct in sorted(self.extra, key=lambda e: e[0]):
-            self._reduce(g, [i], [ct])
+            self._reduce(g, [i], [ct], ("outside the plan", i))
         launched, self.launched, self.task, self.plan = self.launched, [], None, None
         self.extra = []
-        for work, flat, idx, shapes, rec in launched:
+        for work, flat, idx, shapes, rec, tags, g in launched:
             if work is not None:
                 _comm.wait_work(work, rec)  # marked as a wait in that collective (hang reports)
+            if tags is not None:
+                self._check_tags(flat, tags, idx, rec, g)
             offset = 0
             dtypes = self.dtypes
             for i, shape in zip(idx, shapes):
@@ -292,6 +329,39 @@ class BoundaryState:
                     red = red.to(dtypes[i])
                 offset += n
                 grads[i] = red if grads[i] is None else grads[i] + red
+
+    def _check_tags(self, flat: torch.Tensor, tags: tuple, idx: list, rec: tuple, g: AxisGroup) -> None:
+        """After a bucket's all-reduce: raise if the ranks reduced other collectives or buckets."""
+        mine, held = tags
+        got = flat[flat.numel() - len(mine) - len(held) :].tolist()
+        if _watch.reduced_tags_agree(got[: len(mine)], mine, g.size, "sum"):
+            if _watch.reduced_tags_agree(got[len(mine) :], held, g.size, "sum"):
+                return
+            raise CollectiveError(self._mismatch_text(idx, rec, g))
+        raise CollectiveError(
+            f"fshard: the ranks of the group over {','.join(g.names)} ({_watch._ranks_text(g.global_ranks)}) "
+            f"ran different collectives together: this rank's {_watch.describe(rec)}, a gradient bucket "
+            f"of {self._held(idx)}, met another collective on another rank (the tags sent with it "
+            f"disagreed); its result was not returned. {_watch._ORDER_FIX}. fs.debug() (or FSHARD_DEBUG=1) "
+            "checks each collective before it is sent"
+        )
+
+    def _held(self, idx: list) -> str:
+        name, path = self.where if self.where is not None else ("f", None)
+        held = ", ".join(path(i) if path is not None else f"input {i}" for i in idx)
+        return f"the gradients of {held} (inputs of {name})"
+
+    def _mismatch_text(self, idx: list, rec: tuple, g: AxisGroup) -> str:
+        axes = ",".join(g.names)
+        return (
+            f"fshard: the ranks of the group over {axes} ({_watch._ranks_text(g.global_ranks)}) reduced "
+            f"different gradients together in one bucket: this rank's bucket held {self._held(idx)}, "
+            f"another rank's bucket held other inputs (the tags sent with it disagreed); its result was not "
+            f"returned. Each rank buckets the gradients of the inputs f used with values varying over {axes} "
+            f"in that backward, so an input that f uses on some ranks only (a Python branch on the rank or on "
+            f"per-rank data: `if rank == 0: loss = loss + g(w)`) is reduced by those ranks alone. Use every "
+            f"input on every rank alike: select with torch.where, or scale the term by a 0/1 tensor"
+        )
 
 
 _flatten = torch._C._nn.flatten_dense_tensors
@@ -408,10 +478,11 @@ class GradBoundary(torch.autograd.Function):
 
 
 def wrap(
-    xs: list, masks: list[int], tr, all_bits: int, bucket_mb: float, cast=None, reduce_dtype=None
+    xs: list, masks: list[int], tr, all_bits: int, bucket_mb: float, cast=None, reduce_dtype=None, path=None
 ) -> list:
     """Put the tensors of ``xs`` (varying over ``masks``) that need a gradient and may meet more
     varying data behind one GradBoundary of trace ``tr``; cast floating ones to ``cast``.
+    ``path(i)``: the key path of ``xs[i]`` (named in errors).
 
     Returns the tensors for ``f`` (visible outputs, tagged like their inputs). Without
     ``bucket_mb`` (or under torch.func, or without grad) only the casts apply.
@@ -430,7 +501,8 @@ def wrap(
                 tag(out[i], tr, m)
     if not idx:
         return out
-    state = BoundaryState([xs[i] for i in idx], bucket_mb, cast, reduce_dtype)
+    where = (tr.where, (lambda k: path(idx[k])) if path is not None else None)
+    state = BoundaryState([xs[i] for i in idx], bucket_mb, cast, reduce_dtype, where)
     got = apply(GradBoundary, state, *[xs[i] for i in idx])
     for k, i in enumerate(idx):
         vis, twin = got[2 * k], got[2 * k + 1]

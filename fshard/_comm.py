@@ -166,7 +166,7 @@ def _span(kind: str, names: tuple[str, ...], nbytes: int):
     return torch.profiler.record_function(f"fshard.{kind}[{','.join(names)}] {nbytes}B")
 
 
-def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
+def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None):
     """Record one collective of ``t`` over ``g`` and return its profiler range (see `_span`).
 
     Outside ``torch.compile`` it also gets its record in ``_watchdog`` (sequence number, call
@@ -176,7 +176,7 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor):
         _record_traced(kind, g, t)
         return _NO_SPAN
     _record(kind, g, t)
-    _watch.begin(kind, g, t)
+    _watch.begin(kind, g, t, salt, what)
     if not _profiling():
         return _NO_SPAN
     label = f"fshard.{kind}[{','.join(g.names)}] {t.numel() * t.element_size()}B"
@@ -246,6 +246,15 @@ def _real(g: AxisGroup) -> bool:
     if real is None:
         real = g.real = dist.get_backend(g.group) != "fake"  # type: ignore[arg-type]
     return real
+
+
+def reduce_tag_len(g: AxisGroup, dtype: torch.dtype, device: torch.device) -> int:
+    """How many tag elements an all-reduce (a sum) of ``dtype`` on ``device`` over ``g`` carries
+    after its data (0: none; see ``_watchdog``)."""
+    if not _watch.S.tags or device.type != "cpu" or g.size == 1 or _compiling() or not _real(g):
+        return 0
+    bd = _watch._base(dtype, g.size, "sum")
+    return 0 if bd is None else 2 * bd[1]
 
 
 def _reduce_tags(t: torch.Tensor, g: AxisGroup, op: str) -> tuple[tuple | None, list[int] | None]:

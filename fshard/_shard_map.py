@@ -280,9 +280,8 @@ class _ShardMapped(_static.Fixed):
             and not compiling  # compiled: one all-reduce per input, as the backward reaches it
         ):
             # bucketed gradient reductions and compute_dtype casts for the inputs (_buckets.wrap)
-            local = _buckets.wrap(
-                local, masks, tr, self._all_bits, tr.bucket_mb, self._compute_dtype, self._reduce_dtype
-            )
+            casts = (self._compute_dtype, self._reduce_dtype, lambda i: plans[i].path)  # (+ key paths)
+            local = _buckets.wrap(local, masks, tr, self._all_bits, tr.bucket_mb, *casts)
         local_args = optree.tree_unflatten(
             self._per_rank.get(treedef, treedef) if self._per_rank else treedef, local
         )

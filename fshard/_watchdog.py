@@ -137,9 +137,10 @@ def _site() -> tuple:
     return ("", 0, "", api, backward)
 
 
-def begin(kind: str, g: Any, t: torch.Tensor) -> tuple:
+def begin(kind: str, g: Any, t: torch.Tensor, salt: Any = None, what=None) -> tuple:
     """Record the collective of ``t`` about to be issued over the `AxisGroup` ``g`` (and, in debug
-    mode, check its fingerprint against the other ranks'); returns its record."""
+    mode, check its fingerprint, with ``salt`` if given, against the other ranks'; ``what()``
+    describes the collective's content in the error); returns its record."""
     if not S.started:
         ensure_started()
     ranks = g.global_ranks
@@ -152,7 +153,7 @@ def begin(kind: str, g: Any, t: torch.Tensor) -> tuple:
     S.issued = rec
     S.thread = threading.get_ident()
     if S.check and seq:
-        _fingerprint(rec, g.group, t.device)
+        _fingerprint(rec, g.group, t.device, salt, what)
     return rec
 
 
@@ -213,10 +214,10 @@ def _gather_rows(row: list[int], group: Any, device, rec: tuple) -> list[list[in
         return wait(_F.wait_tensor.default, rec, out).view(n, len(row)).tolist()
 
 
-def _each_rank(rec: tuple, group: Any, device) -> tuple[list[int], str]:
+def _each_rank(rec: tuple, group: Any, device, what=None) -> tuple[list[int], str]:
     """Every rank of the group's description of its collective (one all-gather of fixed-size rows):
     the ranks, and one bullet per distinct description, naming the ranks that gave it."""
-    text = describe(rec).encode()[: _DESC_BYTES - 1]
+    text = (describe(rec) + (f", {what()}" if what is not None else "")).encode()[: _DESC_BYTES - 1]
     rows = _gather_rows([dist.get_rank(), *text.ljust(_DESC_BYTES, b"\0")], group, device, rec)
     by: dict[str, list[int]] = {}
     for row in rows:
@@ -234,14 +235,14 @@ _ORDER_FIX = (
 )
 
 
-def _fingerprint(rec: tuple, group: Any, device) -> None:
+def _fingerprint(rec: tuple, group: Any, device, salt: Any = None, what=None) -> None:
     seq, kind, names, ranks, shape, dtype, file, line, *_ = rec
     site = 0 if S.anonymous else _crc((file, line))
-    row = [seq, _crc(kind), _crc(names), _crc(str(dtype)), _crc(tuple(shape)), site]
+    row = [seq, _crc(kind), _crc(names), _crc(str(dtype)), _crc(tuple(shape)), site, _crc(salt)]
     rows = _gather_rows(row, group, device, rec)
     if all(r == rows[0] for r in rows):
         return
-    members, bullets = _each_rank(rec, group, device)
+    members, bullets = _each_rank(rec, group, device, what)
     raise CollectiveError(
         f"fshard [debug]: the ranks of the group over {','.join(names) or 'world'} ({_ranks_text(members)}) "
         f"disagree about their next collective:\n{bullets}\n"
@@ -306,16 +307,17 @@ def tag(rec: tuple) -> int:
     return zlib.crc32(repr((seq, kind, site)).encode())
 
 
-def reduce_tags(rec: tuple, dtype: torch.dtype, n: int, op: str) -> list[int] | None:
+def reduce_tags(rec: tuple, dtype: torch.dtype, n: int, op: str, salt: Any = None) -> list[int] | None:
     """The elements an all-reduce ``op`` of ``dtype`` over ``n`` ranks appends to its buffer for
-    ``rec`` (None: this one carries no tag)."""
+    ``rec`` (None: this one carries no tag). ``salt`` (a repr-able value every rank must agree on,
+    such as what a gradient bucket holds) is mixed into the tag."""
     if not S.tags:
         return None
     bd = _base(dtype, n, op)
     if bd is None:
         return None
     base, digits = bd
-    h = tag(rec)
+    h = tag(rec) if salt is None else zlib.crc32(repr((tag(rec), salt)).encode())
     out: list[int] = []
     for _ in range(digits):
         d = 1 + h % (base - 1)  # 1 .. base - 1
@@ -324,10 +326,15 @@ def reduce_tags(rec: tuple, dtype: torch.dtype, n: int, op: str) -> list[int] | 
     return out
 
 
+def reduced_tags_agree(got: list, sent: list[int], n: int, op: str) -> bool:
+    """Whether the reduced tags ``got`` are what ``n`` ranks sending ``sent`` give."""
+    want = [n * v for v in sent] if op == "sum" else sent
+    return [int(v) for v in got] == want
+
+
 def check_reduced_tags(got: list, sent: list[int], n: int, op: str, rec: tuple, g: Any, device) -> None:
     """After the all-reduce of ``rec``: raise on every rank of the group if the tags disagree."""
-    want = [n * v for v in sent] if op == "sum" else sent
-    if [int(v) for v in got] != want:
+    if not reduced_tags_agree(got, sent, n, op):
         _disagreed(rec, g, device)
 
 

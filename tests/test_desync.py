@@ -391,6 +391,118 @@ def _clean_env():
     return env
 
 
+# -- gradient buckets: an input f uses on some ranks only ----------------------------------------------
+
+BUCKET_SHAPES = {"a": (6, 20), "b": (6, 20), "c": (6, 20), "d": (6, 20), "e": (6, 30)}
+
+
+def _rank_bucket_plans(X):
+    import contextlib
+
+    import torch.distributed as dist
+
+    from fshard import _watchdog
+
+    rank = dist.get_rank()
+    mesh = fs.Mesh(dp=dist.get_world_size())
+    gen = torch.Generator().manual_seed(5)
+    init = {k: torch.randn(*s, generator=gen, dtype=torch.float64) / 3 for k, s in BUCKET_SHAPES.items()}
+    out = {}
+
+    def attempt(name, used, bucket_mb, debug=False):
+        params = {k: v.clone().requires_grad_(True) for k, v in init.items()}
+
+        def f(p, x):
+            total = 0
+            for k in used[rank]:  # which inputs f uses depends on the rank
+                total = total + (x @ p[k]).sin().sum()  # bucket-term
+            return fs.psum(total, "dp")
+
+        step = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) d"), out_specs="", bucket_mb=bucket_mb)
+        _watchdog.reset()  # every case starts at collective #1 on every rank
+        try:
+            with fs.debug() if debug else contextlib.nullcontext():
+                step(params, X).backward()  # bucket-backward
+            out[name] = ("grads", {k: p.grad for k, p in params.items()})
+        except fs.CollectiveError as err:
+            out[name] = ("error", str(err))
+
+    one = 1500 / 2**20  # one bucket per parameter
+    # same sizes: every rank sends three buckets, the first holds c on rank 0 and d on the others
+    swapped = {r: ("a", "b", "c") if r == 0 else ("a", "b", "d") for r in range(4)}
+    attempt("swapped", swapped, one)
+    attempt("swapped_one_bucket", swapped, 25.0)
+    # debug mode: checked before sending, also where the sizes differ (e used by rank 0 only)
+    attempt("debug_extra", {r: ("a", "e") if r == 0 else ("a",) for r in range(4)}, 25.0, debug=True)
+    attempt("agree", {r: ("a", "b", "e") for r in range(4)}, one)  # no false alarm
+    return out
+
+
+def test_an_input_used_on_some_ranks_only_raises_instead_of_summing_misaligned_buckets():
+    world = 2
+    X = torch.randn(8, 6, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    start = time.monotonic()
+    got = run_ranks(world, _rank_bucket_plans, X)
+    assert time.monotonic() - start < BOUND
+    f = "_rank_bucket_plans.<locals>.attempt.<locals>.f"
+    where = f"at {HERE}:{_line('bucket-backward')} in the backward"
+
+    def mismatch(held):
+        return (
+            f"fshard: the ranks of the group over dp (ranks 0, 1) reduced different gradients together in one "
+            f"bucket: this rank's bucket held the gradients of {held} (inputs of {f}), another rank's bucket "
+            "held other inputs (the tags sent with it disagreed); its result was not returned. Each rank "
+            "buckets the gradients of the inputs f used with values varying over dp in that backward, so an "
+            "input that f uses on some ranks only (a Python branch on the rank or on per-rank data: `if rank "
+            "== 0: loss = loss + g(w)`) is reduced by those ranks alone. Use every input on every rank alike: "
+            "select with torch.where, or scale the term by a 0/1 tensor"
+        )
+
+    for name in ("swapped", "swapped_one_bucket"):
+        held = (
+            ["args[0]['c']", "args[0]['d']"]
+            if name == "swapped"
+            else [
+                "args[0]['c'], args[0]['b'], args[0]['a']",
+                "args[0]['d'], args[0]['b'], args[0]['a']",
+            ]
+        )
+        for r in range(world):
+            assert got[r][name] == ("error", mismatch(held[r])), (name, r)
+    # (#4: fs.debug's checks of the two inputs, then f's psum, come first)
+    debug = _desync_message(
+        "dp",
+        "ranks 0, 1",
+        [
+            (
+                "rank 0",
+                f"#4 all_reduce over dp of float64 (300,) {where}, a bucket of the gradients of "
+                f"args[0]['e'], args[0]['a'] (inputs of {f})",
+            ),
+            (
+                "rank 1",
+                f"#4 all_reduce over dp of float64 (120,) {where}, a bucket of the gradients of "
+                f"args[0]['a'] (inputs of {f})",
+            ),
+        ],
+    )
+    assert [g["debug_extra"] for g in got] == [("error", debug)] * world
+    # agreeing ranks: the gradients of one process on the whole batch
+    p = {k: v.clone().requires_grad_(True) for k, v in _bucket_init().items()}
+    sum((X @ p[k]).sin().sum() for k in ("a", "b", "e")).backward()
+    for r in range(world):
+        kind, grads = got[r]["agree"]
+        assert kind == "grads"
+        for k in ("a", "b", "e"):
+            torch.testing.assert_close(grads[k], p[k].grad, msg=f"rank {r} {k}")
+        assert grads["c"] is None and grads["d"] is None
+
+
+def _bucket_init():
+    gen = torch.Generator().manual_seed(5)
+    return {k: torch.randn(*s, generator=gen, dtype=torch.float64) / 3 for k, s in BUCKET_SHAPES.items()}
+
+
 def test_fshard_run_names_the_rank_that_did_not_arrive(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_SCRIPT)
