@@ -52,7 +52,7 @@ from . import _watchdog as _watch
 from ._comm import untracked
 from ._errors import CollectiveError
 from ._mesh import AxisGroup
-from ._primitives import AllReduce, _functorch_active, apply
+from ._primitives import AllReduce, Pvary, _functorch_active, apply
 from ._vma import tag
 
 __all__ = ["GradBoundary", "TwinTap", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync", "wrap"]
@@ -477,6 +477,24 @@ class GradBoundary(torch.autograd.Function):
         return (None, *grads)
 
 
+class _CastState:
+    """A cast input's twin (no buckets): the axis group its implicit cast sums over, once known."""
+
+    __slots__ = ("groups", "cast", "reduce_dtype")
+
+    def __init__(self, cast, reduce_dtype):
+        self.groups: list = [None]
+        self.cast = cast
+        self.reduce_dtype = reduce_dtype
+
+
+def _cast_twin(st: _CastState, x: torch.Tensor) -> torch.Tensor:
+    """The varying twin of ``x.to(st.cast)``: ``x`` cast to varying in ``reduce_dtype`` (or its own
+    dtype), then to ``cast``; the backward sums the gradient before casting it back, as a bucket."""
+    y = x if st.reduce_dtype is None else x.to(st.reduce_dtype)
+    return apply(Pvary, y, st.groups[0]).to(st.cast)
+
+
 def wrap(
     xs: list, masks: list[int], tr, all_bits: int, bucket_mb: float, cast=None, reduce_dtype=None, path=None
 ) -> list:
@@ -485,9 +503,12 @@ def wrap(
     ``path(i)``: the key path of ``xs[i]`` (named in errors).
 
     Returns the tensors for ``f`` (visible outputs, tagged like their inputs). Without
-    ``bucket_mb`` (or under torch.func, or without grad) only the casts apply.
+    ``bucket_mb`` (compiled calls, or under torch.func, or without grad) only the casts apply;
+    with grad, a cast input's implicit cast to varying is made on the input's side of its dtype
+    cast (`_cast_twin`), so its gradient is summed in ``reduce_dtype`` as in the buckets.
     """
-    use = bucket_mb and torch.is_grad_enabled() and not _functorch_active()
+    grad = torch.is_grad_enabled() and not _functorch_active()
+    use = bucket_mb and grad
     out = list(xs)
     idx = []
     for i, (x, m) in enumerate(zip(xs, masks)):
@@ -496,9 +517,14 @@ def wrap(
         if use and x.requires_grad and m != all_bits:
             idx.append(i)
         elif cast is not None and x.is_floating_point() and x.dtype != cast:
-            out[i] = x.to(cast)
+            out[i] = vis = x.to(cast)
             if m:
-                tag(out[i], tr, m)
+                tag(vis, tr, m)
+            if grad and x.requires_grad and m != all_bits:
+                # f's varying uses of vis (or of an invariant function of it) get the twin below
+                st = _CastState(cast, reduce_dtype)
+                tr.twins[id(x)] = [x, x, 0, st, None]
+                tr.twins[id(vis)] = [vis, None, 0, st, (x, _cast_twin, (st, x), None)]
     if not idx:
         return out
     where = (tr.where, (lambda k: path(idx[k])) if path is not None else None)

@@ -37,6 +37,7 @@ import itertools
 
 import torch
 
+from . import _dynamo_hooks
 from ._errors import TracingError
 
 __all__ = [
@@ -176,18 +177,19 @@ def check_transforms() -> None:
         )
 
 
-def check_call(name: str, compute_dtype, no_sync: bool, debug: bool, counting: bool = False) -> None:
+def check_call(name: str, no_sync: bool, debug: bool, counting: bool = False) -> None:
     """While compiling, refuse the shard_map options a compiled call does not support yet."""
+    if not _dynamo_hooks.INSTALLED:
+        refuse(
+            f"fs.shard_map({name}) on this torch version",
+            "fshard could not hook the tensor operations Dynamo traces without torch-function modes "
+            "(x.T, iterating over a tensor, abs(x)); call it eagerly",
+        )
     if counting:
         refuse(
             f"fs.shard_map({name}) under fs.count_collectives",
             "compile the step with fs.compile and the inductor backend, whose compiled calls "
             "fs.count_collectives counts, or count an eager call of the step",
-        )
-    if compute_dtype is not None:
-        refuse(
-            f"fs.shard_map({name}, compute_dtype=...)",
-            "cast the parameters inside f (w.to(dtype)) instead, or call it eagerly",
         )
     if no_sync:
         refuse(

@@ -83,9 +83,9 @@ def shard_map(
         compute_dtype: mixed precision, as FSDP2's ``param_dtype``: every floating-point input
             block is cast to this dtype before ``f`` (parameters stay in their own dtype; their
             gradients come back in it).
-        reduce_dtype: the dtype of the bucketed gradient all-reduces (default: each input's
-            own dtype, e.g. float32 gradients for float32 parameters under a bfloat16
-            ``compute_dtype``).
+        reduce_dtype: the dtype of the gradient all-reduces of the inputs (default: each
+            input's own dtype, e.g. float32 gradients for float32 parameters under a bfloat16
+            ``compute_dtype``), bucketed or not, eager or compiled.
 
     Returns:
         The global function. A plain tensor argument is the global value (the same on
@@ -228,9 +228,7 @@ class _ShardMapped(_static.Fixed):
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             no_sync = not _buckets._sync or bool(_buckets._PENDING)
-            _compile.check_call(
-                self.name, self._compute_dtype, no_sync, _debug.enabled, _comm.counting_refused()
-            )
+            _compile.check_call(self.name, no_sync, _debug.enabled, _comm.counting_refused())
             key = None
             hit = _static.input_plan(self, leaves, treedef)  # the eager planning, a constant (_static)
         else:

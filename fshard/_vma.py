@@ -297,18 +297,23 @@ def _cast_args(seq, tr: Trace, union: int):
     return out
 
 
-def _tag_out(out, tr: Trace, bits: int) -> None:
+def _tag_out(out, tr: Trace, bits: int):
+    """``out`` (a tensor, or a tuple or list of them) tagged; returns it (compiled: maybe anew)."""
     tag = (tr.id, bits)
     if isinstance(out, _Tensor):
         setattr(out, _ATTR, tag)
         if _is_wrapped(out):
             _tag_wrapped(out, tag)
     elif isinstance(out, (tuple, list)):
+        if tr.compiled:  # Dynamo sets attributes on a multi-output op's tensors only through a view
+            with untracked():
+                out = type(out)([o.view_as(o) if isinstance(o, _Tensor) else o for o in out])
         for o in out:
             if isinstance(o, _Tensor):
                 setattr(o, _ATTR, tag)
                 if _is_wrapped(o):
                     _tag_wrapped(o, tag)
+    return out
 
 
 class VmaMode(TorchFunctionMode):
@@ -319,6 +324,8 @@ class VmaMode(TorchFunctionMode):
     `VaryingFloat`) and slices or index tuples holding either. Ops that mutate their first
     argument (``add_``, ``__setitem__``, ...) tag it with the union too.
     """
+
+    _fshard_tracks_attrs = True  # compiled: Dynamo sends it ``x.T`` and the like (_compile.VIEW_ATTRS)
 
     def __init__(self, tr: Trace):
         super().__init__()
@@ -412,7 +419,7 @@ class VmaMode(TorchFunctionMode):
                 if _is_wrapped(out):
                     _tag_wrapped(out, (tid, union))
             else:
-                _tag_out(out, tr, union)
+                out = _tag_out(out, tr, union)
             if kind is _INPLACE and args and isinstance(args[0], _Tensor):
                 setattr(args[0], _ATTR, (tid, union))
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
@@ -469,8 +476,9 @@ def _refuse_varying(func, tr: Trace, args, kwargs):
     if bits:
         word, axes = _varying_axes_text(tr, bits)
         what, rest = _REFUSED[func.__name__]
-        raise TracingError(
-            f"fs.shard_map({tr.where}): {what} a tensor that varies over mesh {word} {axes} {rest}"
+        _compile.fail(  # (compiled: raised at trace time as itself)
+            TracingError,
+            f"fs.shard_map({tr.where}): {what} a tensor that varies over mesh {word} {axes} {rest}",
         )
     return func(*args, **kwargs)
 
@@ -480,7 +488,7 @@ def _iterate(func, tr: Trace, args, kwargs):
     rows = list(func(*args, **kwargs))
     bits = _self_bits(tr, args)
     if bits:
-        _tag_out(rows, tr, bits)
+        rows = _tag_out(rows, tr, bits)
     return iter(rows)
 
 
@@ -577,7 +585,7 @@ def _data_dependent(func, tr: Trace, args, kwargs):
             kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
     out = func(*args, **kwargs)
     if union:
-        _tag_out(out, tr, union)
+        out = _tag_out(out, tr, union)
     elif tr.twins and isinstance(out, _Tensor) and out.requires_grad:  # w[:s] of an input: as the plain rule
         _derive_twin(tr, func, args, kwargs, out)
     return out
@@ -710,7 +718,7 @@ def _random(func, tr: Trace, args, kwargs):
             kwargs = {k: (a if a is dst else b) for (k, a), b in zip(kwargs.items(), cast)}
     out = func(*args, **kwargs)
     if union:
-        _tag_out(out, tr, union)
+        out = _tag_out(out, tr, union)
         if isinstance(dst, _Tensor):
             tag(dst, tr, union)
     return out
