@@ -23,6 +23,18 @@ from tests.helpers import assert_ok, close, randn
 
 N = 2
 
+
+def _iadd(a):
+    c = torch.zeros_like(a)
+    c += a  # (the in-place operator's syntax)
+    return c
+
+
+def _unpack_tuple(a):
+    r0, r1 = tuple(a)
+    return r0 - r1
+
+
 CONSTRUCTS = {  # name -> g, applied to this rank's block of X; f returns fs.psum(g(block), "dp")
     "x.T": lambda a: a.T,
     "x.mT": lambda a: a.mT,
@@ -36,6 +48,9 @@ CONSTRUCTS = {  # name -> g, applied to this rank's block of X; f returns fs.psu
     "zip(x, x)": lambda a: sum(r * s for r, s in zip(a, a)),
     "enumerate(x)": lambda a: sum(r * i for i, r in enumerate(a)),
     "reversed(x)": lambda a: torch.stack(list(reversed(a))),
+    "r0, r1 = tuple(x)": _unpack_tuple,
+    "sum(x)": lambda a: sum(a),
+    "c += x": _iadd,
     "abs(x)": lambda a: abs(-a),
     "+x": lambda a: +a,
     "-x": lambda a: -a,
