@@ -169,7 +169,7 @@ class BoundaryState:
         self.slot: dict = {}  # input index -> (bucket, position)
         self.next = 0  # the next bucket to launch: buckets go strictly in plan order
         self.extra: list = []  # gradients outside the plan (launched at the boundary, by index)
-        self.launched: list = []  # (work, flat, indices, shapes, record, tags, salt), in launch order
+        self.launched: list = []  # (work, flat, indices, shapes, record, tags, group), in launch order
         self.where = where  # (function name, key path of input i) for errors, or None
 
     def begin(self) -> None:
@@ -340,7 +340,7 @@ class BoundaryState:
             raise CollectiveError(self._mismatch_text(idx, rec, g))
         raise CollectiveError(
             f"fshard: the ranks of the group over {','.join(g.names)} ({_watch._ranks_text(g.global_ranks)}) "
-            f"ran different collectives together: this rank's {_watch.describe(rec)}, a gradient bucket "
+            f"ran different collectives together: this rank's {_watch.describe(rec)}, a bucket "
             f"of {self._held(idx)}, met another collective on another rank (the tags sent with it "
             f"disagreed); its result was not returned. {_watch._ORDER_FIX}. fs.debug() (or FSHARD_DEBUG=1) "
             "checks each collective before it is sent"

@@ -409,7 +409,7 @@ def _rank_bucket_plans(X):
     init = {k: torch.randn(*s, generator=gen, dtype=torch.float64) / 3 for k, s in BUCKET_SHAPES.items()}
     out = {}
 
-    def attempt(name, used, bucket_mb, debug=False):
+    def attempt(name, used, bucket_mb, debug=False, skew=False):
         params = {k: v.clone().requires_grad_(True) for k, v in init.items()}
 
         def f(p, x):
@@ -422,7 +422,11 @@ def _rank_bucket_plans(X):
         _watchdog.reset()  # every case starts at collective #1 on every rank
         try:
             with fs.debug() if debug else contextlib.nullcontext():
-                step(params, X).backward()  # bucket-backward
+                loss = step(params, X)
+                if skew and rank == 1:  # as if rank 1 had issued one more collective over dp
+                    ranks = mesh.axis_group("dp").global_ranks
+                    _watchdog.S.seqs[ranks] += 1
+                loss.backward()  # bucket-backward
             out[name] = ("grads", {k: p.grad for k, p in params.items()})
         except fs.CollectiveError as err:
             out[name] = ("error", str(err))
@@ -435,6 +439,8 @@ def _rank_bucket_plans(X):
     # debug mode: checked before sending, also where the sizes differ (e used by rank 0 only)
     attempt("debug_extra", {r: ("a", "e") if r == 0 else ("a",) for r in range(4)}, 25.0, debug=True)
     attempt("agree", {r: ("a", "b", "e") for r in range(4)}, one)  # no false alarm
+    # the same buckets, but the ranks count their collectives differently: the other message
+    attempt("skew", {r: ("a", "b") for r in range(4)}, 25.0, skew=True)
     return out
 
 
@@ -487,6 +493,16 @@ def test_an_input_used_on_some_ranks_only_raises_instead_of_summing_misaligned_b
         ],
     )
     assert [g["debug_extra"] for g in got] == [("error", debug)] * world
+    for r in range(world):
+        seq = 2 + r  # f's psum was #1; rank 1 counted one more
+        assert got[r]["skew"] == (
+            "error",
+            f"fshard: the ranks of the group over dp (ranks 0, 1) ran different collectives together: this rank's "
+            f"#{seq} all_reduce over dp of float64 (240,) {where}, a bucket of the gradients of "
+            f"args[0]['b'], args[0]['a'] (inputs of {f}), met another collective on another rank (the tags sent "
+            f"with it disagreed); its result was not returned. {FIX.split('. ', 1)[1]}. fs.debug() (or FSHARD_DEBUG=1) "
+            "checks each collective before it is sent",
+        ), r
     # agreeing ranks: the gradients of one process on the whole batch
     p = {k: v.clone().requires_grad_(True) for k, v in _bucket_init().items()}
     sum((X @ p[k]).sin().sum() for k in ("a", "b", "e")).backward()
