@@ -217,6 +217,15 @@ def _rank_refusals():
     plain = fs.shard_map(_dp_body, mesh=dp, in_specs=in_dp, out_specs="...")
     with fs.no_sync():
         out["no_sync"] = _raised(torch.compile(plain, backend="eager", fullgraph=True), *args)
+    torch._dynamo.reset()
+    with fs.debug():
+        out["debug"] = _raised(torch.compile(plain, backend="eager", fullgraph=True), *args)
+    torch._dynamo.reset()
+    staged = fs.shard_map(
+        lambda p, x: fs.psum((x @ p).sum(), "dp"), mesh=dp, in_specs=(None, "(dp b) d"), out_specs=""
+    )
+    per_rank = fs.PerRank.build(dp, "dp", lambda i: w1 * (i + 1))
+    out["PerRank"] = _raised(torch.compile(staged, backend="eager", fullgraph=True), per_rank, x)
     # torch.func transforms inside f (their compiled graphs lost the implicit casts: a gradient of
     # an invariant parameter missed its psum, silently) and around a shard_map'd function
     inside = {
@@ -273,6 +282,15 @@ def test_compiled_shard_map_raises_eagers_errors_and_refuses_what_it_does_not_su
                 + "call the transform eagerly, or use "
                 "fs.value_and_grad / loss.backward() in the compiled step"
             ), name
+        assert _fshard_part(out["debug"]) == (
+            "TracingError: fs.shard_map(_dp_body) under fs.debug" + REFUSED + "turn fs.debug off, or call it "
+            "eagerly"
+        )
+        assert _fshard_part(out["PerRank"]) == (
+            "TracingError: fs.shard_map(_rank_refusals.<locals>.<lambda>) with an fs.PerRank argument"
+            + REFUSED
+            + "call this shard_map'd function eagerly (outside the compiled function)"
+        )
         assert _fshard_part(out["no_sync"]) == (
             "TracingError: fs.shard_map(_dp_body) under fs.no_sync (or with gradients fs.no_sync left "
             "pending)"
