@@ -83,9 +83,9 @@ def _rank_constructs(X):
         graphs.append(gm)
         return gm.forward
 
-    for name, g in CONSTRUCTS.items():
+    def run(name, body):
         torch._dynamo.reset()  # (else the shared code object hits Dynamo's recompile limit)
-        sm = fs.shard_map(lambda a, g=g: fs.psum(g(a), "dp"), mesh=mesh, in_specs="(dp a) b", out_specs="...")
+        sm = fs.shard_map(body, mesh=mesh, in_specs="(dp a) b", out_specs="...")
         got = {}
         graphs.clear()
         for how, fn in (("eager", sm), ("compiled", torch.compile(sm, backend=backend, fullgraph=True))):
@@ -95,33 +95,43 @@ def _rank_constructs(X):
                 got[how] = ("error", str(e).split("\n\nfrom user code:")[0])  # (without Dynamo's notes)
         got["graphs"] = len(graphs)
         out[name] = got
+
+    # the constructs eager computes, in one function (one trace); each refused one on its own
+    values = {k: g for k, g in CONSTRUCTS.items() if k not in REFUSED}
+    run("values", lambda a: {k: fs.psum(g(a), "dp") for k, g in values.items()})
+    for name in REFUSED:
+        run(name, lambda a, g=CONSTRUCTS[name]: fs.psum(g(a), "dp"))
     return out
+
+
+REFUSED = {  # eager's TracingError, at trace time too (math.floor: Dynamo refuses it first)
+    "math.floor(x.sum())": "float() of",
+    "float(x.sum())": "float() of",
+    "int(x.sum())": "int() of",
+}
 
 
 def test_operations_dynamo_traces_without_modes_are_tracked_as_in_eager():
     X = torch.arange(1.0, 17.0).reshape(4, 4)
     got = run_ranks(N, _rank_constructs, X, timeout=110)
     blocks = X.chunk(N)
-    refused = {
-        "math.floor(x.sum())": "float() of",
-        "float(x.sum())": "float() of",
-        "int(x.sum())": "int() of",
-    }
-    for name, g in CONSTRUCTS.items():
-        for r in range(N):
-            eager, compiled = got[r][name]["eager"], got[r][name]["compiled"]
-            assert compiled[0] == eager[0], (name, r, eager, compiled)
-            if name in refused:  # eager's TracingError, at trace time (math.floor: Dynamo's own error)
-                assert eager[0] == "error" and refused[name] in eager[1], (name, eager)
-                if name.startswith("math.floor"):
-                    assert compiled[1].startswith("Could not guard on data-dependent expression"), compiled
-                else:
-                    assert compiled[1] == "TracingError: " + eager[1], (name, r)
+    for r in range(N):
+        eager, compiled = got[r]["values"]["eager"], got[r]["values"]["compiled"]
+        assert eager[0] == compiled[0] == "value", (r, eager, compiled)
+        assert got[r]["values"]["graphs"] == 1, r  # compiled whole: no graph break, no fallback
+        for name, g in CONSTRUCTS.items():
+            if name in REFUSED:
                 continue
-            assert got[r][name]["graphs"] == 1, (name, r)
             want = sum(g(b) for b in blocks)  # psum: the sum of g over the ranks' blocks
-            torch.testing.assert_close(eager[1], want, msg=f"{name} eager, rank {r}")
-            torch.testing.assert_close(compiled[1], want, msg=f"{name} compiled, rank {r}")
+            torch.testing.assert_close(eager[1][name], want, msg=f"{name} eager, rank {r}")
+            torch.testing.assert_close(compiled[1][name], want, msg=f"{name} compiled, rank {r}")
+        for name, what in REFUSED.items():
+            eager, compiled = got[r][name]["eager"], got[r][name]["compiled"]
+            assert eager[0] == compiled[0] == "error" and what in eager[1], (name, eager, compiled)
+            if name.startswith("math.floor"):
+                assert compiled[1].startswith("Could not guard on data-dependent expression"), compiled
+            else:
+                assert compiled[1] == "TracingError: " + eager[1], (name, r)
 
 
 # -- gradients through w.T of a tensor-parallel weight; compute_dtype -------------------------------
