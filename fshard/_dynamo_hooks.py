@@ -30,6 +30,18 @@ __all__ = ["INSTALLED", "VIEW_ATTRS"]
 VIEW_ATTRS = ("T", "mT", "H", "mH", "real", "imag", "data")
 """Tensor attributes that make a tensor of a tensor."""
 
+SEEN_BY_MODES = tuple(
+    getattr(torch, name)
+    for name in (
+        "rand_like randn_like randint_like normal as_strided tensor as_tensor asarray _conj "
+        "_conj_physical _neg_view _lazy_clone _addmm_activation grouped_mm scaled_mm"
+    ).split()
+    if hasattr(torch, name)
+)
+"""Functions of tensors that eager sends through the torch-function modes but that torch lists as
+ignored for overrides, which Dynamo reads as "never dispatched": compiled, ``torch.rand_like(w)`` of
+a replicated ``w`` counted as replicated (each rank draws its own) and passed the replication check."""
+
 _UNARY = {
     "nb_negative_impl": torch.Tensor.__neg__,
     "nb_positive_impl": torch.Tensor.__pos__,
@@ -62,14 +74,18 @@ def _tracking(tx) -> bool:
 def _install() -> bool:
     try:
         from torch._dynamo.variables import tensor as tensor_vars
+        from torch._dynamo.variables import torch as torch_vars
         from torch._dynamo.variables.base import VariableTracker
         from torch._dynamo.variables.builder import SourcelessBuilder
         from torch._dynamo.variables.torch_function import dispatch_torch_function
     except ImportError:  # another torch
         return False
     cls = tensor_vars.TensorVariable
+    fns = torch_vars.TorchInGraphFunctionVariable
     needed = ["var_getattr", "unpack_var_sequence", "mp_subscript_impl", *_UNARY, *_BINARY]
     if not all(callable(getattr(cls, name, None)) for name in needed):
+        return False
+    if not callable(getattr(fns, "torch_function_override_enabled", None)):
         return False
     if getattr(cls.var_getattr, "_fshard", False):
         return True
@@ -80,12 +96,26 @@ def _install() -> bool:
     def dispatch(tx, fn, args):
         return dispatch_torch_function(tx, SourcelessBuilder.create(tx, fn), args, {})
 
-    def hook(name, make):
-        original = getattr(cls, name)
+    def hook(name, make, owner=cls):
+        original = getattr(owner, name)
         wrapper = make(original)
         wrapper._fshard = True
         wrapper.__name__ = name
-        setattr(cls, name, wrapper)
+        setattr(owner, name, wrapper)
+
+    seen = frozenset(SEEN_BY_MODES)
+
+    def override_hook(original):
+        def torch_function_override_enabled(self, tx, args, kwargs):
+            if original(self, tx, args, kwargs):
+                return True
+            try:
+                fn = self.get_function()
+            except Exception:  # noqa: BLE001  (not a plain function: as before)
+                return False
+            return fn in seen and _tracking(tx)
+
+        return torch_function_override_enabled
 
     def getattr_hook(original):
         def var_getattr(self, tx, name):
@@ -132,6 +162,7 @@ def _install() -> bool:
 
         return make
 
+    hook("torch_function_override_enabled", override_hook, fns)
     hook("var_getattr", getattr_hook)
     hook("unpack_var_sequence", unpack_hook)
     for name, fn in _UNARY.items():

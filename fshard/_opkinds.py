@@ -109,9 +109,20 @@ _TRAINING = {
 }
 
 
-def _draws(name: str, args, kwargs) -> bool:
-    """Whether a dropout-like op draws: it is training and its p is not 0."""
-    rule = _TRAINING.get(name)
+@torch._dynamo.assume_constant_result  # under torch.compile: a trace-time constant
+def _random_rule(func) -> tuple:
+    """What `_vma._random` needs of a random op, as constants Dynamo can hold (it cannot trace
+    string methods on a traced function's name): ``(name, label, training rule or None, whether
+    it writes its first argument (a name ending in "_"), whether it always draws (rrelu))``."""
+    name = getattr(func, "__name__", "")
+    mod = getattr(func, "__module__", None)
+    label = f"{mod}.{name}" if mod else f"Tensor.{name}"
+    return name, label, _TRAINING.get(name), name.endswith("_"), name.startswith("rrelu")
+
+
+def _draws(rule, always: bool, args, kwargs) -> bool:
+    """Whether a dropout-like op draws: it is training and its p is not 0 (``rule``, ``always``:
+    `_random_rule`'s)."""
     if rule is None:
         return True
     pos, default, _ = rule
@@ -122,4 +133,4 @@ def _draws(name: str, args, kwargs) -> bool:
     if not training:
         return False
     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-    return name.startswith("rrelu") or p != 0
+    return always or p != 0

@@ -26,7 +26,7 @@ from . import _compile
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
-from ._opkinds import _INPLACE, _PLAIN, _TRAINING, _draws, _kind_of
+from ._opkinds import _INPLACE, _PLAIN, _draws, _kind_of, _random_rule
 from ._primitives import Pvary, apply
 from ._scalars import (
     _ATTR,
@@ -686,7 +686,7 @@ def _random(func, tr: Trace, args, kwargs):
     (operands that need a gradient are cast with pvary, so gradients sum over the ranks). With an
     explicit generator the draw is a plain op, unless `fshard.random.generator` made it: then
     the result also varies over the axes its stream differs over."""
-    name = func.__name__
+    name, label, rule, writes, always = _random_rule(func)  # (compiled: constants)
     gen = None
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Generator):
@@ -695,17 +695,15 @@ def _random(func, tr: Trace, args, kwargs):
     if gen is not None:
         hit = _generator_axes.get(gen)
         extra = hit[1] if hit is not None and hit[0] == tr.id else 0
-    elif _draws(name, args, kwargs):
+    elif _draws(rule, always, args, kwargs):
         extra = tr.mesh.bits(tr.mesh.axis_names)
         if _global_draw[0] != tr.id:
-            mod = getattr(func, "__module__", None)
-            _global_draw[:] = (tr.id, f"{mod}.{name}" if mod else f"Tensor.{name}")
+            _global_draw[:] = (tr.id, label)
     else:
         extra = 0
     union = extra | _operand_bits(args, tr) | _operand_bits(kwargs.values(), tr)
-    rule = _TRAINING.get(name)
     at = rule[2] if rule is not None else None
-    inplace = name.endswith("_") or (
+    inplace = writes or (
         at is not None and bool(kwargs.get("inplace", args[at] if len(args) > at else False))
     )
     dst = (args[0] if args else kwargs.get("tensor", kwargs.get("input"))) if inplace else None

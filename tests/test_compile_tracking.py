@@ -64,6 +64,8 @@ CONSTRUCTS = {  # name -> g, applied to this rank's block of X; f returns fs.psu
     "torch.sort(x)[0]": lambda a: torch.sort(a, 1, descending=True)[0],
     "x[0] = x[1]": lambda a: (lambda c: (c.__setitem__(0, a[1]), c)[1])(a.clone()),
     "len(x) * x": lambda a: a * len(a),
+    "torch.as_strided(x)": lambda a: torch.as_strided(a, (2, 2), (4, 1)),
+    "torch.as_tensor(x)": lambda a: torch.as_tensor(a) * 1,
     "math.floor(x.sum())": lambda a: a * math.floor(a.sum() / 3),
     "float(x.sum())": lambda a: a * float(a.sum()),
     "int(x.sum())": lambda a: a * int(a.sum()),
@@ -132,6 +134,51 @@ def test_operations_dynamo_traces_without_modes_are_tracked_as_in_eager():
                 assert compiled[1].startswith("Could not guard on data-dependent expression"), compiled
             else:
                 assert compiled[1] == "TracingError: " + eager[1], (name, r)
+
+
+# -- draws from torch's global generator: each rank its own, compiled as eager ------------------------
+
+DRAWS = {
+    "torch.rand": lambda w: w * torch.rand(4),
+    "torch.rand_like": lambda w: w * torch.rand_like(w),
+    "torch.randn_like": lambda w: w * torch.randn_like(w),
+    "torch.randint_like": lambda w: w * torch.randint_like(w, 0, 5),
+    "torch.normal": lambda w: torch.normal(w, 1.0),
+    "w.uniform_()": lambda w: w.clone().uniform_(),
+    "torch.bernoulli": lambda w: torch.bernoulli(w.sigmoid()),
+    "F.dropout": lambda w: torch.nn.functional.dropout(w, 0.5),
+    "F.rrelu": lambda w: torch.nn.functional.rrelu(w - 1, training=True),
+}
+
+
+def _rank_draws(w):
+    import torch.distributed as dist
+
+    import fshard as fs
+
+    mesh = fs.Mesh(dp=dist.get_world_size())
+    out = {}
+    for name, g in DRAWS.items():
+        torch._dynamo.reset()
+        sm = fs.shard_map(g, mesh=mesh, in_specs="...", out_specs="...")
+        got = []
+        for fn in (sm, torch.compile(sm, backend="eager", fullgraph=True)):
+            try:
+                fn(w)
+                got.append("no error")
+            except Exception as e:  # noqa: BLE001
+                got.append(str(e).split("\n\nfrom user code:")[0])
+        out[name] = got
+    return out
+
+
+def test_draws_from_the_global_generator_vary_over_every_axis_compiled_as_eager():
+    got = run_ranks(N, _rank_draws, torch.ones(4), timeout=110)
+    for r in range(N):
+        for name in DRAWS:
+            eager, compiled = got[r][name]
+            assert "replication check" in eager and "out varies over mesh axis dp" in eager, (name, eager)
+            assert compiled == "SpecError: " + eager, (name, r, compiled)
 
 
 # -- gradients through w.T of a tensor-parallel weight; compute_dtype -------------------------------
