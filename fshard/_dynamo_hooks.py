@@ -33,14 +33,15 @@ VIEW_ATTRS = ("T", "mT", "H", "mH", "real", "imag", "data")
 SEEN_BY_MODES = tuple(
     getattr(torch, name)
     for name in (
-        "rand_like randn_like randint_like normal as_strided tensor as_tensor asarray _conj "
+        "rand_like randn_like randint_like normal as_strided _conj "
         "_conj_physical _neg_view _lazy_clone _addmm_activation grouped_mm scaled_mm"
     ).split()
     if hasattr(torch, name)
 )
 """Functions of tensors that eager sends through the torch-function modes but that torch lists as
 ignored for overrides, which Dynamo reads as "never dispatched": compiled, ``torch.rand_like(w)`` of
-a replicated ``w`` counted as replicated (each rank draws its own) and passed the replication check."""
+a replicated ``w`` counted as replicated (each rank draws its own) and passed the replication check.
+(Not ``torch.tensor`` / ``as_tensor``: made of Python data, their arguments cannot all be guarded.)"""
 
 _UNARY = {
     "nb_negative_impl": torch.Tensor.__neg__,
