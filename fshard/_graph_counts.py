@@ -4,9 +4,10 @@ A compiled call runs no fshard Python, so nothing is counted as it runs unless t
 says so. ``fs.compile`` gives inductor a graph pass (`CountingPass`) that runs after the graph's
 autograd split, on the forward and on the backward graph alike:
 
-1. it buckets the graph's all-reduces, all-gathers and reduce-scatters with inductor's own
-   bucketing functions (what ``bucket_*_fx`` would do a few passes later; fshard turns those
-   settings off and runs them here, so that what it counts next is what runs);
+1. it buckets the graph's all-reduces, all-gathers and reduce-scatters (`_graph_buckets`:
+   inductor's grouping, what ``bucket_*_fx`` would do a few passes later, with fshard's packing
+   of the all-gather and reduce-scatter buckets; fshard turns those settings off and runs the
+   bucketing here, so that what it counts next is what runs);
 2. it reads the functional collectives left in the graph: kind, mesh axes (by the process
    group's name), bytes each rank hands in, and how many collectives each bucket merged;
 3. it appends one call of the ``fshard::count_collectives`` op, whose argument is that list as a
@@ -181,19 +182,16 @@ class CountingPass(torch._inductor.custom_graph_pass.CustomGraphPass):
     def uuid(self) -> Any:
         user = self.user.uuid() if hasattr(self.user, "uuid") else repr(self.user)
         caps = None if self.caps is None else [getattr(c, "__qualname__", repr(c)) for c in self.caps]
-        return ("fshard.count_collectives", 1, caps, user)
+        return ("fshard.count_collectives", 2, caps, user)
 
 
 def _bucket(graph: torch.fx.Graph, ar_mb, ag_mb, rs_mb) -> list:
-    """Bucket the graph's collectives as inductor's ``bucket_*_fx = "all"`` passes do (the same
-    functions, in the same order); returns ``(kind, axes, calls)`` of each bucket of several."""
-    from torch._inductor import config
-    from torch._inductor.fx_passes import bucketing as b
+    """Bucket the graph's collectives (`_graph_buckets.bucket`); returns ``(kind, axes, calls)``
+    of each bucket of several."""
     from torch._inductor.pattern_matcher import stable_topological_sort
 
-    default = b.bucket_cap_mb_by_bucket_idx_default
-    gm = graph.owning_module
-    assert gm is not None, "inductor's post-grad graphs belong to a GraphModule"
+    from ._graph_buckets import bucket
+
     combined: list = []
 
     def note(kind: str, buckets) -> None:
@@ -202,18 +200,6 @@ def _bucket(graph: torch.fx.Graph, ar_mb, ag_mb, rs_mb) -> list:
                 name = _group_name(nodes[0])
                 combined.append((kind, _axes()[name] if name is not None else ("?",), len(nodes)))
 
-    rs = b.bucket_reduce_scatter_by_mb(gm, rs_mb or default, None, config.bucket_reduce_scatters_bucket_mode)
-    if rs:
-        note("reduce_scatter", rs)
-        b.merge_reduce_scatter(gm, rs, config.bucket_reduce_scatters_bucket_mode)
-    ar = b.bucket_all_reduce_by_mb(gm, ar_mb or default)
-    note("all_reduce", ar)
-    for bucket in ar:
-        b.merge_all_reduce_bucket(graph, bucket, "all")
-    ag = b.bucket_all_gather_by_mb(gm, ag_mb or default, None, config.bucket_all_gathers_bucket_mode)
-    if ag:
-        note("all_gather", ag)
-        b.merge_all_gather(gm, ag, config.bucket_all_gathers_bucket_mode)
-    if rs or ar or ag:
+    if bucket(graph, ar_mb, ag_mb, rs_mb, note):
         stable_topological_sort(graph)
     return combined

@@ -16,8 +16,9 @@ docs/tutorial/09-compiling.md); three settings make it a good one, and `compile`
   FSDP program (``fs.all_gather`` of each parameter) then runs as a few coalesced all-gathers and
   reduce-scatters, as it does eagerly, instead of one per parameter (2x slower than compiled
   FSDP2 on the demo GPT without it). The bucketing runs in fshard's post-grad pass
-  (``_graph_counts.CountingPass``, inductor's own functions), which then counts what is left in
-  the graph, so that ``fs.count_collectives`` counts compiled calls.
+  (``_graph_counts.CountingPass``: inductor's grouping, fshard's packing and unpacking of the
+  buckets, ``_graph_buckets``), which then counts what is left in the graph, so that
+  ``fs.count_collectives`` counts compiled calls.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from . import _comm, _compile
+from . import _comm, _compile, _graph_buckets  # noqa: F401  (_graph_buckets: registers fshard::tile_blocks)
 from ._comm import untracked
 from ._mesh import AxisGroup
 
@@ -173,6 +173,8 @@ def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled) -> torch.Tens
         return torch.cat([blocks[i].narrow(dim, 0, k) for i, k in enumerate(tiled)], dim)
     if not tiled:
         return _owned(blocks.movedim(0, dim))
+    if dim and _compiling():  # a copy that inductor leaves as it is (see _graph_buckets)
+        return torch.ops.fshard.tile_blocks(blocks, dim)
     out = list(shape)
     out[dim] *= n
     return _owned(blocks.movedim(0, dim).reshape(out))
@@ -192,7 +194,11 @@ def split_blocks(x: torch.Tensor, n: int, dim: int, tiled) -> torch.Tensor:
 
 def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     """Reduce-scatter ``x`` along ``dim`` (removed, or shrunk by the group size when ``tiled``)."""
-    return scattered_block(_comm.reduce_scatter_blocks(split_blocks(x, g.size, dim, tiled), g), g, dim, tiled)
+    if dim and tiled is True and _compiling():  # as in _arrange
+        blocks = torch.ops.fshard.untile_blocks(x, g.size, dim)
+    else:
+        blocks = split_blocks(x, g.size, dim, tiled)
+    return scattered_block(_comm.reduce_scatter_blocks(blocks, g), g, dim, tiled)
 
 
 def scattered_block(out: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
