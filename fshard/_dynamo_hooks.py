@@ -8,7 +8,9 @@ as bare graph nodes without calling the active torch-function modes:
   ``x.imag``, ``x.data``;
 - unpacking and iterating over a tensor: ``a, b = x``, ``for row in x``, ``list(x)``, ``f(*x)``;
 - Python's number protocol reached other than by an operator: ``abs(x)``, ``+x``, ``sum(xs)``'s
-  additions, ``int(x)``, ``float(x)``, ``operator.index(x)``.
+  additions, ``int(x)``, ``float(x)``, ``operator.index(x)``;
+- the functions torch lists as ignored for overrides, which eager's modes see all the same
+  (`SEEN_BY_MODES`: ``torch.rand_like``, ``torch.normal``, ``torch.as_strided``, ...).
 
 Their results came out untagged, which reads as invariant: compiled, ``fs.psum(x.T, "dp")`` of a
 varying ``x`` was ``x.T * 2`` instead of the sum over ranks, a silent wrong value. While a tracking
