@@ -257,15 +257,15 @@ def reduce_tag_len(g: AxisGroup, dtype: torch.dtype, device: torch.device) -> in
     return 0 if bd is None else 2 * bd[1]
 
 
-def _reduce_tags(t: torch.Tensor, g: AxisGroup, op: str) -> tuple[tuple | None, list[int] | None]:
+def _reduce_tags(t: torch.Tensor, g: AxisGroup, op: str, salt=None) -> tuple[tuple | None, list[int] | None]:
     """The record of the collective just issued, and the tags its all-reduce buffer carries (None:
-    none, as when compiling or off the CPU; see ``_watchdog``)."""
+    none, as when compiling or off the CPU; see ``_watchdog``), ``salt`` mixed in."""
     if _compiling():
         return None, None
     rec = issued()
     if t.device.type != "cpu" or rec is None or not _real(g):
         return rec, None
-    return rec, _watch.reduce_tags(rec, t.dtype, g.size, op)
+    return rec, _watch.reduce_tags(rec, t.dtype, g.size, op, salt)
 
 
 def _tag_start(t: torch.Tensor, g: AxisGroup) -> torch.Tensor | None:
@@ -311,15 +311,17 @@ def _to_blocks_order(t: torch.Tensor, g: AxisGroup, inverse: bool) -> torch.Tens
     return t.index_select(0, idx)
 
 
-def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Out-of-place all-reduce of ``t`` over the group."""
+def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM, what: str | None = None) -> torch.Tensor:
+    """Out-of-place all-reduce of ``t`` over the group. ``what`` (the same on every rank that runs
+    the same program, such as "the gradient of args[0]['w']") goes in its tags and its description."""
     with untracked():
         if g.size == 1:
             return t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()
         name = _OP_NAMES[op]
-        with _issue("all_reduce", g, t):  # the range covers the wait, as for any blocking call
-            rec, tags = _reduce_tags(t, g, name)
+        desc = None if what is None else (lambda: what)
+        with _issue("all_reduce", g, t, what, desc):  # the range covers the wait, as for any blocking call
+            rec, tags = _reduce_tags(t, g, name, what)
             if tags is None:
                 return _wait(_launch(_ALL_REDUCE, t, name, _name(g)), rec)
             n = t.numel()  # the data and its tags in one buffer (the copy the out-of-place op makes)
@@ -327,7 +329,7 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Ten
             buf[:n].copy_(t.view(-1))
             buf[n:].copy_(torch.tensor(tags, dtype=t.dtype))
             buf = _wait(_launch(_ALL_REDUCE_, buf, name, _name(g)), rec)
-            _watch.check_reduced_tags(buf[n:].tolist(), tags, g.size, name, rec, g, t.device)  # type: ignore[arg-type]
+            _watch.check_reduced_tags(buf[n:].tolist(), tags, g.size, name, rec, g, t.device, desc)  # type: ignore[arg-type]
             return buf[:n].view(t.shape)
 
 

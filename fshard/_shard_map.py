@@ -269,6 +269,10 @@ class _ShardMapped(_static.Fixed):
         # (compiled: no buckets, also for fs.value_and_grad inside f; one all-reduce per input)
         tr.bucket_mb = self._bucket_mb if self._tracked and not compiling else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
+        if not tr.bucket_mb and not compiling and torch.is_grad_enabled():  # (named in the casts' tags)
+            tr.inputs = {
+                id(x): p.path for x, p in zip(local, plans) if type(x) is _Tensor and x.requires_grad
+            }
         if self._compute_dtype is not None or (
             self._bucket_mb
             and self._tracked

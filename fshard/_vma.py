@@ -22,12 +22,12 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _compile
+from . import _comm, _compile
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
 from ._opkinds import _INPLACE, _PLAIN, _draws, _kind_of, _random_rule
-from ._primitives import Pvary, apply
+from ._primitives import AllReduce, Pvary, _functorch_active, apply
 from ._scalars import (
     _ATTR,
     _CARRIERS,
@@ -66,6 +66,7 @@ class Trace:
         "queue",
         "pending",
         "compiled",
+        "inputs",
     )
 
     def __init__(self, mesh: Mesh, where: str):
@@ -80,6 +81,8 @@ class Trace:
         self._mode: VmaMode | None = None
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
+        # id(input) -> key path, for inputs cast outside the gradient buckets (PvaryInput), or None
+        self.inputs: dict | None = None
         self.bucket_mb = 0.0  # the shard_map's bucket size (for value_and_grad inside f)
         # some input has uneven blocks: collectives first check that their operands agree in shape
         self.uneven = False
@@ -266,10 +269,35 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         twin[3].groups[twin[2]] = g
         out = _twin_of(tr, twin)
     else:
-        out = apply(Pvary, x, g)
+        path = tr.inputs.get(id(x)) if tr.inputs else None
+        if path is not None and not _functorch_active():
+            out = apply(PvaryInput, x, g, path)
+        else:
+            out = apply(Pvary, x, g)
     tag(out, tr, have | missing)
     tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
     return out
+
+
+class PvaryInput(torch.autograd.Function):
+    """`Pvary` of a shard_map input outside the gradient buckets (``bucket_mb=0``): the backward's
+    all-reduce carries the input's key path in its tags, so that ranks whose ``f`` used different
+    inputs (a branch on the rank) raise instead of summing one input's gradient with another's."""
+
+    @staticmethod
+    def forward(x, g, path):
+        with untracked():
+            return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g, ctx.path = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, ct):
+        if torch.is_grad_enabled():  # double backward: as Pvary's
+            return apply(AllReduce, ct, ctx.g), None, None
+        return _comm.all_reduce(ct, ctx.g, what=f"the gradient of {ctx.path}"), None, None
 
 
 def _drop_casts(tr: Trace, x) -> None:

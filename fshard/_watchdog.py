@@ -332,10 +332,13 @@ def reduced_tags_agree(got: list, sent: list[int], n: int, op: str) -> bool:
     return [int(v) for v in got] == want
 
 
-def check_reduced_tags(got: list, sent: list[int], n: int, op: str, rec: tuple, g: Any, device) -> None:
-    """After the all-reduce of ``rec``: raise on every rank of the group if the tags disagree."""
+def check_reduced_tags(
+    got: list, sent: list[int], n: int, op: str, rec: tuple, g: Any, device, what=None
+) -> None:
+    """After the all-reduce of ``rec``: raise on every rank of the group if the tags disagree
+    (``what()``: the collective's content, in each rank's description)."""
     if not reduced_tags_agree(got, sent, n, op):
-        _disagreed(rec, g, device)
+        _disagreed(rec, g, device, what)
 
 
 def check_gathered_tags(got: list, rec: tuple, g: Any, device) -> None:
@@ -344,8 +347,8 @@ def check_gathered_tags(got: list, rec: tuple, g: Any, device) -> None:
         _disagreed(rec, g, device)
 
 
-def _disagreed(rec: tuple, g: Any, device) -> None:
-    members, bullets = _each_rank(rec, g.group, device)
+def _disagreed(rec: tuple, g: Any, device, what=None) -> None:
+    members, bullets = _each_rank(rec, g.group, device, what)
     raise CollectiveError(
         f"fshard: the ranks of the group over {','.join(rec[2]) or 'world'} ({_ranks_text(members)}) ran "
         f"different collectives together:\n{bullets}\n"

@@ -436,9 +436,11 @@ def _rank_bucket_plans(X):
     swapped = {r: ("a", "b", "c") if r == 0 else ("a", "b", "d") for r in range(4)}
     attempt("swapped", swapped, one)
     attempt("swapped_one_bucket", swapped, 25.0)
+    attempt("swapped_unbucketed", swapped, None)  # one all-reduce per input: its key path in the tags
     # debug mode: checked before sending, also where the sizes differ (e used by rank 0 only)
     attempt("debug_extra", {r: ("a", "e") if r == 0 else ("a",) for r in range(4)}, 25.0, debug=True)
     attempt("agree", {r: ("a", "b", "e") for r in range(4)}, one)  # no false alarm
+    attempt("agree_unbucketed", {r: ("a", "b", "e") for r in range(4)}, None)
     # the same buckets, but the ranks count their collectives differently: the other message
     attempt("skew", {r: ("a", "b") for r in range(4)}, 25.0, skew=True)
     return out
@@ -493,6 +495,15 @@ def test_an_input_used_on_some_ranks_only_raises_instead_of_summing_misaligned_b
         ],
     )
     assert [g["debug_extra"] for g in got] == [("error", debug)] * world
+    unbucketed = _tag_message(
+        "dp",
+        "ranks 0, 1",
+        [
+            (f"rank {r}", f"#2 all_reduce over dp of float64 (6, 20) {where}, the gradient of args[0]['{k}']")
+            for r, k in ((0, "c"), (1, "d"))
+        ],
+    )
+    assert [g["swapped_unbucketed"] for g in got] == [("error", unbucketed)] * world
     for r in range(world):
         seq = 2 + r  # f's psum was #1; rank 1 counted one more
         assert got[r]["skew"] == (
@@ -507,11 +518,12 @@ def test_an_input_used_on_some_ranks_only_raises_instead_of_summing_misaligned_b
     p = {k: v.clone().requires_grad_(True) for k, v in _bucket_init().items()}
     sum((X @ p[k]).sin().sum() for k in ("a", "b", "e")).backward()
     for r in range(world):
-        kind, grads = got[r]["agree"]
-        assert kind == "grads"
-        for k in ("a", "b", "e"):
-            torch.testing.assert_close(grads[k], p[k].grad, msg=f"rank {r} {k}")
-        assert grads["c"] is None and grads["d"] is None
+        for case in ("agree", "agree_unbucketed"):
+            kind, grads = got[r][case]
+            assert kind == "grads", (case, grads)
+            for k in ("a", "b", "e"):
+                torch.testing.assert_close(grads[k], p[k].grad, msg=f"rank {r} {case} {k}")
+            assert grads["c"] is None and grads["d"] is None
 
 
 def _bucket_init():
