@@ -299,6 +299,10 @@ class PvaryInput(torch.autograd.Function):
             return apply(AllReduce, ct, ctx.g), None, None
         return _comm.all_reduce(ct, ctx.g, what=f"the gradient of {ctx.path}"), None, None
 
+    @staticmethod
+    def jvp(ctx, x_t, *_):  # (forward-mode AD outside torch.func: the identity, as Pvary's)
+        return x_t.view_as(x_t)
+
 
 def _drop_casts(tr: Trace, x) -> None:
     """Forget the pvary casts of ``x``, just changed in place (compiled calls)."""

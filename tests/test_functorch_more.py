@@ -401,3 +401,40 @@ def test_constructs_under_transforms(n):
             assert all(
                 m.startswith("fs.shard_map(f): 1 problem with out_specs (replication check)") for m in msgs
             ), msgs
+
+
+# -- forward-mode AD (torch.autograd.forward_ad) through the implicit cast of an unbucketed input ----
+
+
+def _rank_forward_ad_unbucketed(W, X, T):
+    import torch.autograd.forward_ad as fwAD
+
+    import fshard as fs
+
+    mesh = fs.Mesh(dp=2)
+
+    def f(w, x):
+        return fs.psum(torch.tanh(x @ w).sum(), "dp")
+
+    out = {}
+    for bucket_mb in (0, 25.0):  # without buckets the cast names its input (PvaryInput); with them a twin
+        sm = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) d"), out_specs="", bucket_mb=bucket_mb)
+        with fwAD.dual_level():
+            y = sm(fwAD.make_dual(W, T), X)
+            out[f"tangent {bucket_mb}"] = fwAD.unpack_dual(y).tangent
+        w = W.clone().requires_grad_(True)
+        sm(w, X).backward()
+        out[f"grad {bucket_mb}"] = w.grad
+    return out
+
+
+def test_forward_ad_and_gradients_through_an_unbucketed_input_cast_match_one_process():
+    W, X, T = randn(0, 4, 3), randn(1, 8, 4), randn(2, 4, 3)
+    w = W.clone().requires_grad_(True)
+    ref = torch.tanh(X @ w).sum()
+    (grad_ref,) = torch.autograd.grad(ref, w)
+    tangent_ref = (grad_ref * T).sum()  # the directional derivative along T
+    for r, out in enumerate(run_ranks(2, _rank_forward_ad_unbucketed, W, X, T)):
+        for bucket_mb in (0, 25.0):
+            torch.testing.assert_close(out[f"tangent {bucket_mb}"], tangent_ref, msg=f"rank {r} {bucket_mb}")
+            torch.testing.assert_close(out[f"grad {bucket_mb}"], grad_ref, msg=f"rank {r} {bucket_mb}")
