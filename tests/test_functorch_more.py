@@ -420,7 +420,7 @@ def _rank_forward_ad_unbucketed(W, X, T):
     for bucket_mb in (0, 25.0):  # without buckets the cast names its input (PvaryInput); with them a twin
         sm = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) d"), out_specs="", bucket_mb=bucket_mb)
         with fwAD.dual_level():
-            y = sm(fwAD.make_dual(W, T), X)
+            y = sm(fwAD.make_dual(W.clone().requires_grad_(True), T), X)  # (grad too: the cast is made)
             out[f"tangent {bucket_mb}"] = fwAD.unpack_dual(y).tangent
         w = W.clone().requires_grad_(True)
         sm(w, X).backward()
