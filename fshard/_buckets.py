@@ -508,7 +508,8 @@ def wrap(
     cast (`_cast_twin`), so its gradient is summed in ``reduce_dtype`` as in the buckets.
     """
     grad = torch.is_grad_enabled() and not _functorch_active()
-    use = bucket_mb and grad
+    # (forward-mode AD, torch.autograd.forward_ad: the boundary and its taps have no jvp rule)
+    use = bucket_mb and grad and torch.autograd.forward_ad._current_level < 0
     out = list(xs)
     idx = []
     for i, (x, m) in enumerate(zip(xs, masks)):
