@@ -12,7 +12,9 @@ communication at all (psum).
 The queue is flushed (its buckets handed, in the order of their keys' first calls, to the trace's
 `Flight`):
 
-- at the first torch op run inside ``f`` after the calls (`VmaMode` checks ``trace.queue``),
+- at the first torch op run inside ``f`` after the calls (`VmaMode` checks ``trace.queue``), but
+  for an op that prepares the next call's operand from no queued result (a cast, a reshape:
+  ``_vma._PREP``), so that ``fs.all_gather(p.to(torch.bfloat16), ...)`` leaf by leaf still combines,
 - when any fshard collective that is not queued is called (`_vma.current`), or a queued one whose
   operand is a queued result,
 - when ``f`` returns (the trace's exit),

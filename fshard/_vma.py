@@ -348,6 +348,27 @@ def _tag_out(out, tr: Trace, bits: int):
     return out
 
 
+_PREP = frozenset(
+    (_Tensor.to, _Tensor.float, _Tensor.half, _Tensor.bfloat16, _Tensor.double, _Tensor.type)
+    + (_Tensor.contiguous, _Tensor.view, _Tensor.reshape, _Tensor.flatten, _Tensor.detach)
+)
+"""Ops that leave a queue of per-leaf collectives open: what turns a parameter into the operand of
+its own gather (``fs.all_gather(p.to(torch.bfloat16), ...)``). Neither writes a tensor."""
+
+
+def _takes(ids, args, kwargs) -> bool:
+    """Whether a tensor whose id is in ``ids`` is among the operands (or in a list or tuple of them)."""
+    for seq in (args, kwargs.values()) if kwargs else (args,):
+        for a in seq:
+            if isinstance(a, _Tensor):
+                if id(a) in ids:
+                    return True
+            elif type(a) is list or type(a) is tuple:
+                if any(isinstance(b, _Tensor) and id(b) in ids for b in a):
+                    return True
+    return False
+
+
 class VmaMode(TorchFunctionMode):
     """Propagates varying-axes masks through every torch op run inside ``f``.
 
@@ -365,8 +386,11 @@ class VmaMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         tr = self.tr
-        if tr.queue is not None:  # results of queued collectives are about to be used (_combine)
-            tr.queue.flush()
+        q = tr.queue
+        # Queued collectives (_combine) run at the first op after the calls (so that they start
+        # early), unless it prepares the next call's operand (a cast, a reshape) from no result.
+        if q is not None and (func not in _PREP or _takes(q.outs, args, kwargs)):
+            q.flush()
         if tr.pending is not None:  # wait for the collectives of the results among the operands
             tr.pending.use(args, kwargs)
         tid = tr.id

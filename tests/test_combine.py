@@ -233,6 +233,17 @@ def _rank_cases(X):
     if _kinds(fwd) != {AG: 2} or _buckets(fwd) != [1, 1]:
         errs.append(f"used at once: forward {fwd!r}, want 2 all_gathers")
 
+    # a cast of each leaf before its gather (mixed precision, the JAX form) leaves the queue open
+    def cast_each(a, b, c):
+        return tuple(fs.all_gather(t.double(), "dp", tiled=True) for t in (a, b, c))
+
+    outs, grads, fwd, bwd = _gathered(mesh, cast_each, "(dp r) c", (V,) * 3, A, B, C)
+    for k, (o, t) in enumerate(zip(outs, (A, B, C))):
+        close(errs, f"cast: value {k}", o, _summed(t).double(), torch.float64)
+        close(errs, f"cast: grad {k}", grads[k], torch.full_like(t, 2.0 * (k + 1)))
+    if _buckets(fwd) != [3] or _buckets(bwd, "reduce_scatter") != [3]:
+        errs.append(f"cast: {fwd.combined} then {bwd.combined}, want one bucket of 3 calls each way")
+
     # ranks use the results in different orders: the queue runs whole, in issue order
     def any_order(a, b, c):
         ys = [fs.all_gather(t, "dp", tiled=True) for t in (a, b, c)]
