@@ -378,7 +378,7 @@ class VmaMode(TorchFunctionMode):
     argument (``add_``, ``__setitem__``, ...) tag it with the union too.
     """
 
-    _fshard_tracks_attrs = True  # compiled: Dynamo sends it ``x.T`` and the like (_compile.VIEW_ATTRS)
+    _fshard_tracks_attrs = True  # compiled: Dynamo sends it ``x.T`` and the like (_dynamo_hooks)
 
     def __init__(self, tr: Trace):
         super().__init__()
@@ -616,6 +616,7 @@ def _check_inplace(func, tr: Trace, args, union: int) -> None:
 
 
 _KIND: dict = {}
+_RULES: dict = {}  # eager: a random op -> its _random_rule
 
 
 def _classify(func):
@@ -742,7 +743,10 @@ def _random(func, tr: Trace, args, kwargs):
     (operands that need a gradient are cast with pvary, so gradients sum over the ranks). With an
     explicit generator the draw is a plain op, unless `fshard.random.generator` made it: then
     the result also varies over the axes its stream differs over."""
-    name, label, rule, writes, always = _random_rule(func)  # (compiled: constants)
+    hit = _random_rule(func) if tr.compiled else _RULES.get(func)  # (compiled: trace-time constants)
+    if hit is None:
+        hit = _RULES[func] = _random_rule(func)
+    name, label, rule, writes, always = hit
     gen = None
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Generator):
