@@ -19,15 +19,27 @@ subclass's attribute reads and for operators: the mode sees ``Tensor.T.__get__``
 ``Tensor.__getitem__``, ``Tensor.__abs__``, ... as in eager. Other modes and code outside
 ``shard_map`` are left as they were. `INSTALLED` says whether the hooks are in place (they reach
 into Dynamo's variable trackers; on a torch without them compiled calls are refused).
+
+One more hook decides where a ``torch.compile``'d function runs when it is called inside an
+*eagerly* run shard_map call (``torch.compile`` inside ``f``, or ``fs.shard_map(torch.compile(g))``):
+eagerly, with a warning (`EAGER_INSIDE`). Traced there, Dynamo would read the running call's
+tracking state (its trace id, its caches, the tags of this call's tensors) as constants of the
+graph: every call recompiled (until Dynamo's recompile limit), and with a gradient the trace failed
+outright. Eager, the tracking sees each op of the function as it sees the rest of ``f``: the values,
+gradients and collectives are the eager call's. Compiling the whole step (``fs.compile``, or
+``torch.compile`` around the shard_map'd function) is what compiles it.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-__all__ = ["INSTALLED", "VIEW_ATTRS"]
+from ._scalars import _stack as _traces
+
+__all__ = ["INSTALLED", "VIEW_ATTRS", "EAGER_INSIDE"]
 
 VIEW_ATTRS = ("T", "mT", "H", "mH", "real", "imag", "data")
 """Tensor attributes that make a tensor of a tensor."""
@@ -177,3 +189,63 @@ def _install() -> bool:
 
 INSTALLED = _install()
 """Whether Dynamo's traced tensor operations above reach the tracking mode."""
+
+EAGER_INSIDE = (
+    "fshard: a torch.compile'd function was called inside an eager call of fs.shard_map({where}): it "
+    "runs eagerly there. In an eager call fshard tracks the mesh axes each value varies over op by "
+    "op, which a graph compiled on its own cannot follow without being recompiled for every call. "
+    "To compile it, compile the whole step: fs.compile(step), or torch.compile around the shard_map'd "
+    "function (docs/tutorial/09-compiling.md)"
+)
+"""The warning given once per shard_map'd function when a compiled function runs eagerly inside it."""
+
+_warned: set = set()
+
+
+def _eager_trace_where() -> str | None:
+    """The name of the innermost shard_map call if it runs eagerly with tracking, else None."""
+    tr = _traces[-1] if _traces else None  # (`_vma.Trace`s)
+    if tr is None or tr.compiled or tr._mode is None:
+        return None
+    return tr.where
+
+
+def _install_eager_inside() -> bool:
+    """Route the callback Dynamo sets when a compiled function is called (``_callback_from_stance``,
+    consulted at each call of it): inside an eager, tracking shard_map call, no callback (eager)."""
+    try:
+        from torch._dynamo import eval_frame
+    except ImportError:
+        return False
+    original = getattr(eval_frame, "_callback_from_stance", None)
+    count = getattr(eval_frame, "set_fullgraph_compiled_frame_count", None)
+    if not callable(original) or not callable(count):
+        return False
+    if getattr(original, "_fshard", False):
+        return True
+
+    def _callback_from_stance(callback):
+        out = original(callback)
+        if out is None or out is False:
+            return out
+        where = _eager_trace_where()
+        if where is None:
+            return out
+        if where not in _warned:
+            _warned.add(where)
+            warnings.warn(EAGER_INSIDE.format(where=where), UserWarning, stacklevel=3)
+        # fullgraph=True counts the frames compiled in the call and raises at none: this one ran
+        # eagerly on purpose, counted as one (-1: no fullgraph call is counting; a count is set
+        # only from -1)
+        n = count(-1)
+        if n >= 0:
+            count(n + 1)
+        return None
+
+    _callback_from_stance._fshard = True  # type: ignore[attr-defined]
+    eval_frame._callback_from_stance = _callback_from_stance
+    return True
+
+
+EAGER_INSIDE_INSTALLED = _install_eager_inside()
+"""Whether compiled functions called inside eager shard_map calls run eagerly (see `EAGER_INSIDE`)."""

@@ -1,0 +1,131 @@
+"""A ``torch.compile``'d function called inside an eagerly run shard_map call, on real gloo ranks (2).
+
+Traced there, Dynamo read the running call's tracking state as constants: every call recompiled
+(until Dynamo's recompile limit), and with a gradient ``fullgraph=True`` failed ("Could not extract
+specialized integer from data-dependent expression"). It now runs eagerly inside the eager call,
+with one warning per shard_map'd function, and gives the eager values, gradients and collectives,
+``fullgraph=True`` or not; the same compiled function compiles as usual outside the call, and
+inside a compiled step (``torch.compile`` around the shard_map'd function) it is part of that
+graph. Values are compared with plain torch on the global tensors in one process.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from tests.conftest import run_ranks
+from tests.helpers import assert_ok, close, compile_counter, randn
+
+N = 2
+D, H, B = 4, 6, 8
+
+
+def _fshard_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("fshard:")]
+
+
+def _rank():
+    import fshard as fs
+
+    errs: list[str] = []
+    out: dict = {}
+    mesh = fs.Mesh(dp=N)
+    w, x, y = randn(0, D, H), randn(1, B, D), randn(2, B, H)
+    wr = w.clone().requires_grad_(True)
+    want = ((torch.tanh(x @ wr) - y) ** 2).mean()
+    (want_g,) = torch.autograd.grad(want, wr)
+
+    backend, stats = compile_counter()
+    body = torch.compile(lambda w, x: torch.tanh(x @ w), backend=backend, fullgraph=True)
+
+    def loss(w, x, y):
+        return fs.pmean(((body(w, x) - y) ** 2).mean(), "dp")
+
+    sm = fs.shard_map(loss, mesh=mesh, in_specs=("...", "(dp b) d", "(dp b) h"), out_specs="")
+    vg = fs.value_and_grad(sm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(3):
+            with fs.count_collectives() as counts:
+                got, g = vg(w, x, y)
+            close(errs, f"dp call {k}: loss", got, want)
+            close(errs, f"dp call {k}: grad", g, want_g)
+    out["dp warnings"] = _fshard_warnings(caught)
+    out["dp graphs"] = stats["graphs"]
+
+    def plain(w, x, y):
+        return fs.pmean(((torch.tanh(x @ w) - y) ** 2).mean(), "dp")
+
+    plain_vg = fs.value_and_grad(
+        fs.shard_map(plain, mesh=mesh, in_specs=("...", "(dp b) d", "(dp b) h"), out_specs="")
+    )
+    with fs.count_collectives() as eager_counts:
+        plain_vg(w, x, y)
+    out["dp collectives"] = (counts.records, eager_counts.records)
+
+    # the same compiled function outside any shard_map call: compiled as usual
+    close(errs, "body outside", body(w, x), torch.tanh(x @ w))
+    out["graphs after a call outside"] = stats["graphs"]
+
+    # Megatron MLP on tp: the compiled function holds the psum and a w.T; fs.shard_map(torch.compile(g))
+    tp = fs.Mesh(tp=N)
+    w1, w2 = randn(3, D, 2 * H), randn(4, D, 2 * H)
+    backend2, stats2 = compile_counter()
+
+    def mlp(w1, w2, x):
+        return (fs.psum(torch.relu(x @ w1) @ w2.T, "tp") ** 2).sum()
+
+    specs = ("d (tp h)", "d (tp h)", "b d")
+    smt = fs.shard_map(torch.compile(mlp, backend=backend2), mesh=tp, in_specs=specs, out_specs="")
+    a, b = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    want_t = ((torch.relu(x @ a) @ b.T) ** 2).sum()
+    want_ga, want_gb = torch.autograd.grad(want_t, (a, b))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(2):
+            got, (ga, gb) = fs.value_and_grad(smt, argnums=(0, 1))(w1, w2, x)
+            close(errs, f"tp call {k}: loss", got, want_t)
+            close(errs, f"tp call {k}: grad w1", ga, want_ga)
+            close(errs, f"tp call {k}: grad w2", gb, want_gb)
+    out["tp warnings"] = _fshard_warnings(caught)
+    out["tp graphs"] = stats2["graphs"]
+
+    # inside a compiled step, the compiled function is part of the step's graph
+    backend3, stats3 = compile_counter()
+    step = torch.compile(vg, backend=backend3, fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(trace_autograd_ops=True):
+        warnings.simplefilter("always")
+        for k in range(2):
+            got, g = step(w, x, y)
+            close(errs, f"compiled step call {k}: loss", got, want)
+            close(errs, f"compiled step call {k}: grad", g, want_g)
+    out["step warnings"] = _fshard_warnings(caught)
+    out["step graphs"] = stats3["graphs"]
+    out["step ops"] = sorted(set(stats3["ops"]))
+    return errs, out
+
+
+def test_compiled_function_inside_an_eager_shard_map_call_runs_eagerly_with_eager_values():
+    got = run_ranks(N, _rank, timeout=110)
+    assert_ok([e for e, _ in got])
+    for _, out in got:
+        where = "_rank.<locals>.loss"
+        text = (
+            f"fshard: a torch.compile'd function was called inside an eager call of fs.shard_map({where}): it "
+            "runs eagerly there. In an eager call fshard tracks the mesh axes each value varies over op by "
+            "op, which a graph compiled on its own cannot follow without being recompiled for every call. "
+            "To compile it, compile the whole step: fs.compile(step), or torch.compile around the shard_map'd "
+            "function (docs/tutorial/09-compiling.md)"
+        )
+        assert out["dp warnings"] == [text], out["dp warnings"]  # once for the function, not per call
+        assert out["dp graphs"] == 0, out  # nothing compiled inside the eager calls
+        mine, plain = out["dp collectives"]
+        assert mine == plain and len(mine) == 2, out  # the loss's pmean and the gradient bucket
+        assert out["graphs after a call outside"] == 1, out
+        assert out["tp warnings"] == [text.replace(where, "_rank.<locals>.mlp")], out["tp warnings"]
+        assert out["tp graphs"] == 0, out
+        assert out["step warnings"] == [], out  # compiled with the step: nothing runs eagerly
+        assert out["step graphs"] == 1, out  # one graph over the calls: no break, no recompile
+        assert out["step ops"] == ["all_reduce"], out
