@@ -26,8 +26,8 @@ eagerly, with a warning (`EAGER_INSIDE`). Traced there, Dynamo would read the ru
 tracking state (its trace id, its caches, the tags of this call's tensors) as constants of the
 graph: every call recompiled (until Dynamo's recompile limit), and with a gradient the trace failed
 outright. Eager, the tracking sees each op of the function as it sees the rest of ``f``: the values,
-gradients and collectives are the eager call's. Compiling the whole step (``fs.compile``, or
-``torch.compile`` around the shard_map'd function) is what compiles it.
+gradients and collectives are the eager call's. ``fs.compile`` of the function compiles it there
+(a region traced apart from the call, `_region`), and so does compiling the whole step.
 """
 
 from __future__ import annotations
@@ -193,8 +193,9 @@ INSTALLED = _install()
 EAGER_INSIDE = (
     "fshard: a torch.compile'd function was called inside an eager call of fs.shard_map({where}): it "
     "runs eagerly there. In an eager call fshard tracks the mesh axes each value varies over op by "
-    "op, which a graph compiled on its own cannot follow without being recompiled for every call. "
-    "To compile it, compile the whole step: fs.compile(step), or torch.compile around the shard_map'd "
+    "op, which a graph torch.compile made on its own cannot follow without being recompiled for every "
+    "call. To compile it there, compile it with fs.compile (a compiled region, traced apart from the "
+    "call), or compile the whole step: fs.compile(step), or torch.compile around the shard_map'd "
     "function (docs/tutorial/09-compiling.md)"
 )
 """The warning given once per shard_map'd function when a compiled function runs eagerly inside it."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,15 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
     Dynamo traces it on the first call; fshard's checks (specs, the replication check, what is
     refused under compile) run then, and later calls with the same shapes run the graph.
 
+    Called inside an eagerly run shard_map'd function, ``fn`` is a compiled *region* (a
+    transformer block compiled once and called for every layer, torchtitan's per-block compile):
+    traced apart from the eager call, with its tensor arguments varying over the mesh axes they
+    vary over in the call, it may call ``fs.psum`` and the other collectives, and its results vary
+    as the eager ops would make them. One graph per pattern of varying axes and shapes; gradients
+    of invariant arguments are reduced in its compiled backward. (A ``torch.compile``'d function
+    called there runs eagerly instead, with a warning; so does a region called in a call with
+    uneven blocks or nested in another shard_map call.)
+
     Args:
         fn: the function; without it, returns a decorator.
         backend: as ``torch.compile``'s (``"inductor"``, ``"aot_eager"``, a callable, ...).
@@ -101,6 +111,10 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
         >>> @fs.compile(backend="aot_eager")
         ... def loss_and_grads(params, batch):
         ...     return fs.value_and_grad(loss_fn)(params, batch)
+        >>> block = fs.compile(block_fn)             # a region: compiled once, every layer
+        >>> @fs.shard_map(mesh=mesh, in_specs=("d (tp h)", "b d"), out_specs="b d")
+        ... def f(w, x):                            # runs eagerly; block(w, x) runs its graph
+        ...     return block(w, x)
     """
     if fn is None:
         return functools.partial(
@@ -128,12 +142,23 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
             "(leave them out, or use backend='inductor')"
         )
     compiled = torch.compile(fn, **kw)
+    regions: list = []  # the compiled forms for calls inside eager shard_map calls (`_region`)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         with torch._dynamo.config.patch(**CONFIG), _counted(counted):
             try:
-                return compiled(*args, **kwargs)
+                tr, why = _region_trace()
+                if tr is None:
+                    if why is not None:  # inside an eager call the region does not cover
+                        _warn_eager(fn, why)
+                        return fn(*args, **kwargs)
+                    return compiled(*args, **kwargs)
+                if not regions:
+                    from ._region import Region
+
+                    regions.append(Region(fn, lambda f: torch.compile(f, **kw)))
+                return regions[0](tr, args, kwargs)
             except torch._dynamo.exc.InternalTorchDynamoError as e:
                 err = _fshard_error(e)
                 if err is None:
@@ -142,6 +167,49 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
 
     run.compiled = compiled  # type: ignore[attr-defined]  # torch.compile's function, for explain()
     return run
+
+
+def _region_trace():
+    """``(trace, None)``: the eager shard_map call a compiled function called now runs in as a region
+    (`_region`); ``(None, None)``: outside an eager call; ``(None, why)``: inside one the region does
+    not cover (the function then runs eagerly)."""
+    from . import _scalars
+
+    if not _scalars._stack:
+        return None, None
+    from ._region import active_eager_trace
+
+    tr = active_eager_trace()
+    if tr is None:
+        return None, None
+    if tr.uneven:
+        return None, "with uneven blocks (a dim its mesh axes do not divide)"
+    if len(_scalars._stack) > 1:
+        return None, "nested in another shard_map call"
+    modes = torch.overrides._get_current_function_mode_stack()
+    if not modes or modes[-1] is not tr._mode:
+        return None, f"under a torch-function mode entered inside f ({type(modes[-1]).__name__})"
+    return tr, None
+
+
+EAGER_REGION = (
+    "fshard: fs.compile({fn}) was called inside an eager call of fs.shard_map({where}) {why}: it runs "
+    "eagerly there, with the call's values, gradients and collectives; compiled regions are traced "
+    "apart from calls of even blocks on one shard_map level"
+)
+"""The warning given once per compiled function when a call falls outside what a region covers."""
+
+_warned: set = set()
+
+
+def _warn_eager(fn, why: str) -> None:
+    from . import _scalars
+
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    where = _scalars._stack[-1].where
+    if (name, where, why) not in _warned:
+        _warned.add((name, where, why))
+        warnings.warn(EAGER_REGION.format(fn=name, where=where, why=why), UserWarning, stacklevel=4)
 
 
 def _fshard_error(e: BaseException) -> BaseException | None:

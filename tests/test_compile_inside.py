@@ -115,8 +115,9 @@ def test_compiled_function_inside_an_eager_shard_map_call_runs_eagerly_with_eage
         text = (
             f"fshard: a torch.compile'd function was called inside an eager call of fs.shard_map({where}): it "
             "runs eagerly there. In an eager call fshard tracks the mesh axes each value varies over op by "
-            "op, which a graph compiled on its own cannot follow without being recompiled for every call. "
-            "To compile it, compile the whole step: fs.compile(step), or torch.compile around the shard_map'd "
+            "op, which a graph torch.compile made on its own cannot follow without being recompiled for every "
+            "call. To compile it there, compile it with fs.compile (a compiled region, traced apart from the "
+            "call), or compile the whole step: fs.compile(step), or torch.compile around the shard_map'd "
             "function (docs/tutorial/09-compiling.md)"
         )
         assert out["dp warnings"] == [text], out["dp warnings"]  # once for the function, not per call
@@ -129,3 +130,184 @@ def test_compiled_function_inside_an_eager_shard_map_call_runs_eagerly_with_eage
         assert out["step warnings"] == [], out  # compiled with the step: nothing runs eagerly
         assert out["step graphs"] == 1, out  # one graph over the calls: no break, no recompile
         assert out["step ops"] == ["all_reduce"], out
+
+
+# == fs.compile'd regions ===================================================================
+
+
+def _rank_regions():
+    import fshard as fs
+
+    errs: list[str] = []
+    out: dict = {}
+    mesh, tp = fs.Mesh(dp=N), fs.Mesh(tp=N)
+    w, x, y = randn(0, D, H), randn(1, B, D), randn(2, B, H)
+    wr = w.clone().requires_grad_(True)
+    want = ((torch.tanh(x @ wr) - y) ** 2).mean()
+    (want_g,) = torch.autograd.grad(want, wr)
+    specs = ("...", "(dp b) d", "(dp b) h")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # data parallel: w invariant (its implicit cast, and the transpose's all-reduce, in the region)
+        backend, stats = compile_counter()
+        body = fs.compile(lambda w, x: torch.tanh(x @ w), backend=backend)
+        vg = fs.value_and_grad(
+            fs.shard_map(
+                lambda w, x, y: fs.pmean(((body(w, x) - y) ** 2).mean(), "dp"),
+                mesh=mesh,
+                in_specs=specs,
+                out_specs="",
+            )
+        )
+        for k in range(3):
+            got, g = vg(w, x, y)
+            close(errs, f"dp call {k}: loss", got, want)
+            close(errs, f"dp call {k}: grad", g, want_g)
+        out["dp"] = (stats["graphs"], stats["ops"])
+
+        # FSDP: w split over dp and gathered in the region (its transpose: a reduce-scatter)
+        backend, stats = compile_counter()
+        blk = fs.compile(
+            lambda w, x: torch.tanh(x @ fs.all_gather(w, "dp", dim=0, tiled=True)), backend=backend
+        )
+        fsdp = fs.shard_map(
+            lambda w, x, y: fs.pmean(((blk(w, x) - y) ** 2).mean(), "dp"),
+            mesh=mesh,
+            in_specs=("(dp d) h", "(dp b) d", "(dp b) h"),
+            out_specs="",
+        )
+        for k in range(2):
+            got, g = fs.value_and_grad(fsdp)(w, x, y)
+            close(errs, f"fsdp call {k}: loss", got, want)
+            close(errs, f"fsdp call {k}: grad", fs.full(g), want_g)
+        out["fsdp"] = (stats["graphs"], stats["ops"])
+
+        # tensor parallel: the region holds the psum and a w.T
+        w1, w2 = randn(3, D, 2 * H), randn(4, D, 2 * H)
+        backend, stats = compile_counter()
+        mlp = fs.compile(lambda w1, w2, x: fs.psum(torch.relu(x @ w1) @ w2.T, "tp"), backend=backend)
+        smt = fs.shard_map(
+            lambda w1, w2, x: (mlp(w1, w2, x) ** 2).sum(),
+            mesh=tp,
+            in_specs=("d (tp h)", "d (tp h)", "b d"),
+            out_specs="",
+        )
+        a, b = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+        want_t = ((torch.relu(x @ a) @ b.T) ** 2).sum()
+        want_ga, want_gb = torch.autograd.grad(want_t, (a, b))
+        for k in range(2):
+            got, (ga, gb) = fs.value_and_grad(smt, argnums=(0, 1))(w1, w2, x)
+            close(errs, f"tp call {k}: loss", got, want_t)
+            close(errs, f"tp call {k}: grad w1", ga, want_ga)
+            close(errs, f"tp call {k}: grad w2", gb, want_gb)
+        out["tp"] = (stats["graphs"], stats["ops"])
+
+        # the region's results vary as the eager ops make them: psum of an invariant one multiplies
+        backend, stats = compile_counter()
+        two = fs.compile(lambda w, x: ((w * 2).sum(), (x * 3).sum()), backend=backend)
+
+        def sums(w, x):
+            i, v = two(w, x)
+            return fs.psum(i, "dp"), fs.psum(v, "dp")
+
+        both = fs.shard_map(sums, mesh=mesh, in_specs=specs[:2], out_specs=("", ""))
+        for k in range(2):
+            i, v = both(w, x)
+            close(errs, f"masks call {k}: psum of the invariant result", i, (w * 2).sum() * N)
+            close(errs, f"masks call {k}: psum of the varying result", v, (x * 3).sum())
+        out["masks"] = (stats["graphs"], stats["ops"])
+
+        # uneven blocks (7 rows over 2 ranks): the region does not cover the call; eager, with a warning
+        backend, stats = compile_counter()
+        ragged = fs.compile(lambda w, x: torch.tanh(x @ w), backend=backend)
+        smu = fs.shard_map(
+            lambda w, x, y: fs.psum(((ragged(w, x) - y) ** 2).sum(), "dp"),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs="",
+        )
+        got, g = fs.value_and_grad(smu)(w, x[:7], y[:7])
+        l7 = ((torch.tanh(x[:7] @ wr) - y[:7]) ** 2).sum()
+        close(errs, "uneven: loss", got, l7)
+        close(errs, "uneven: grad", g, torch.autograd.grad(l7, wr)[0])
+        out["uneven"] = (stats["graphs"], stats["ops"])
+
+        # inductor: fs.count_collectives counts the region's collectives with the call's
+        ind = fs.compile(lambda w, x: torch.tanh(x @ w))
+        smi = fs.shard_map(
+            lambda w, x, y: fs.pmean(((ind(w, x) - y) ** 2).mean(), "dp"),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs="",
+        )
+        for k in range(2):
+            with fs.count_collectives() as counts:
+                got, g = fs.value_and_grad(smi)(w, x, y)
+            close(errs, f"inductor call {k}: loss", got, want)
+            close(errs, f"inductor call {k}: grad", g, want_g)
+        out["inductor counts"] = counts.records
+    out["warnings"] = _fshard_warnings(caught)
+    return errs, out
+
+
+def test_fs_compile_inside_an_eager_call_is_a_compiled_region_with_eager_values():
+    got = run_ranks(N, _rank_regions, timeout=110)
+    assert_ok([e for e, _ in got])
+    for _, out in got:
+        assert out["dp"] == (1, ["all_reduce"]), out  # one graph over the calls; w's gradient summed in it
+        assert out["fsdp"] == (1, ["all_gather_into_tensor", "reduce_scatter_tensor"]), out
+        assert out["tp"] == (1, ["all_reduce"]), out  # the forward's psum (its transpose: none)
+        assert out["masks"] == (1, []), out
+        assert out["uneven"] == (0, []), out  # not compiled
+        # (the compiled graph names a collective's process group, which the tp mesh of this test shares)
+        assert [(k, n) for k, _, n in out["inductor counts"]] == [
+            ("all_reduce", 4),
+            ("all_reduce", D * H * 4),
+        ], out
+        assert out["warnings"] == [
+            "fshard: fs.compile(_rank_regions.<locals>.<lambda>) was called inside an eager call of "
+            "fs.shard_map(_rank_regions.<locals>.<lambda>) with uneven blocks (a dim its mesh axes do not "
+            "divide): it runs eagerly there, with the call's values, gradients and collectives; compiled "
+            "regions are traced apart from calls of even blocks on one shard_map level"
+        ], out["warnings"]
+
+
+def _rank_region_2d():
+    import fshard as fs
+
+    errs: list[str] = []
+    mesh = fs.Mesh(dp=2, tp=2)
+    w1, w2, x, y = randn(5, D, 2 * H), randn(6, 2 * H, D), randn(7, B, D), randn(8, B, D)
+    a, b = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    want = ((torch.relu(x @ a) @ b - y) ** 2).mean()
+    want_ga, want_gb = torch.autograd.grad(want, (a, b))
+    backend, stats = compile_counter()
+    block = fs.compile(lambda w1, w2, x: fs.psum(torch.relu(x @ w1) @ w2, "tp"), backend=backend)
+
+    def loss(w1, w2, x, y):
+        return fs.pmean(((block(w1, w2, x) - y) ** 2).mean(), "dp")
+
+    sm = fs.shard_map(
+        loss, mesh=mesh, in_specs=("d (tp h)", "(tp h) o", "(dp b) d", "(dp b) o"), out_specs=""
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(2):
+            got, (ga, gb) = fs.value_and_grad(sm, argnums=(0, 1))(w1, w2, x, y)
+            close(errs, f"call {k}: loss", got, want)
+            close(errs, f"call {k}: grad w1", fs.full(ga), want_ga)
+            close(errs, f"call {k}: grad w2", fs.full(gb), want_gb)
+    return errs, (stats["graphs"], sorted(stats["ops"]), _fshard_warnings(caught))
+
+
+def test_fs_compile_region_on_a_dp_x_tp_mesh_matches_one_process():
+    got = run_ranks(4, _rank_region_2d, timeout=110)
+    assert_ok([e for e, _ in got])
+    for _, (graphs, ops, warned) in got:
+        # one graph; the forward's psum over tp, and the dp sums of both weights' gradients
+        assert (graphs, ops, warned) == (1, ["all_reduce", "all_reduce", "all_reduce"], []), (
+            graphs,
+            ops,
+            warned,
+        )

@@ -1,0 +1,129 @@
+"""``fs.compile``'d functions called inside an eager shard_map call: compiled regions.
+
+A region is a function compiled on its own and called from an eagerly run ``f`` (torchtitan's
+per-block compile: ``block = fs.compile(block_fn)``, then ``block(params[i], h)`` in ``f``). Traced
+with the eager call's tracking state in view, Dynamo would read that state (the call's trace id,
+its caches, the tags of this call's tensors) as constants of the graph and recompile at every call.
+So a region is traced apart from the call, as a compiled shard_map call is: the call's trace is
+set aside while the compiled function runs, and the traced function makes a trace of its own
+(`_run`), tags its tensor arguments with the masks they have in the eager call (closure constants
+of the compiled function, one compiled function per pattern of masks), and tracks the body at
+trace time. The masks of its outputs are noted at trace time (`_note`) and put on the outputs in
+the eager call. Inside, ``fs.psum`` and the other collectives act over the same mesh, and the
+implicit casts of invariant inputs that need a gradient are in the graph (their transposes, the
+gradient all-reduces, in the compiled backward).
+
+The rule of an op applies to the region as a whole exactly as to the ops inside it, so the values,
+gradients and masks are the eager call's. Calls the region does not cover run the function eagerly
+in the call (as every torch.compile'd function does there, `_dynamo_hooks`): a call with uneven
+blocks, a torch-function mode of the caller's inside ``f``, a shard_map call nested in another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from typing import Any
+
+import optree
+import torch
+
+from . import _vma
+from ._comm import untracked
+from ._scalars import _stack
+
+__all__ = ["Region", "active_eager_trace"]
+
+_outs: dict[int, tuple] = {}  # region id -> the masks of its outputs, noted at trace time
+_ids = itertools.count()
+
+
+def active_eager_trace() -> _vma.Trace | None:
+    """The innermost shard_map call if it runs eagerly with tracking, else None."""
+    tr = _stack[-1] if _stack else None
+    if tr is None or tr.compiled or tr._mode is None:
+        return None
+    return tr
+
+
+@torch._dynamo.assume_constant_result  # run at trace time, not traced
+def _note(rid: int, masks: tuple) -> bool:
+    _outs[rid] = masks
+    return True
+
+
+def _run(fn, mesh, where: str, masks: tuple, rid: int, args, kwargs):
+    """The traced body of a region: ``fn`` under a trace of its own, its tensor arguments tagged
+    with ``masks``. Views of them are tagged (a tag set on an argument itself would be a side
+    effect Dynamo replays on the caller's tensor)."""
+    tr = _vma.Trace(mesh, where)
+    with tr:
+        tree: Any = (args, kwargs)
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        local = []
+        for x, m in zip(leaves, masks):
+            if isinstance(x, torch.Tensor):
+                with untracked():
+                    x = x.view_as(x)
+                if m:
+                    _vma.tag(x, tr, m)
+            local.append(x)
+        args, kwargs = optree.tree_unflatten(spec, local)
+        out = fn(*args, **kwargs)
+        outs = optree.tree_leaves(out, none_is_leaf=True)
+        _note(rid, tuple(_vma.get(o, tr) if isinstance(o, torch.Tensor) else 0 for o in outs))
+    return out
+
+
+def _region_code(fn, mesh, where, masks, rid):
+    def region(*args, **kwargs):
+        return _run(fn, mesh, where, masks, rid, args, kwargs)
+
+    return region
+
+
+class Region:
+    """The compiled forms of one ``fs.compile``'d function for calls inside eager shard_map calls:
+    one per (mesh, shard_map'd function, masks of the arguments)."""
+
+    def __init__(self, fn, compile_fn):
+        self.fn = fn
+        self.compile_fn = compile_fn  # torch.compile with fs.compile's settings
+        self.compiled: dict[tuple, Any] = {}
+
+    def __call__(self, tr: _vma.Trace, args, kwargs):
+        tree: Any = (args, kwargs)
+        leaves = optree.tree_leaves(tree, none_is_leaf=True)
+        masks = tuple(_vma.get(x, tr) if isinstance(x, torch.Tensor) else 0 for x in leaves)
+        key = (id(tr.mesh), tr.where, masks)
+        hit = self.compiled.get(key)
+        if hit is None:
+            rid = next(_ids)
+            region = _region_code(self.fn, tr.mesh, tr.where, masks, rid)
+            # a code object of its own: Dynamo's cache (and recompile limit) is per code object
+            region = types.FunctionType(
+                region.__code__.replace(), region.__globals__, self._name(), None, region.__closure__
+            )
+            hit = self.compiled[key] = (rid, self.compile_fn(region), tr.mesh)
+        rid, compiled, _ = hit
+        if tr.queue is not None:  # collectives queued in the call run first, in issue order
+            tr.queue.flush()
+        if tr.pending is not None:
+            tr.pending.drain()
+        _stack.pop()  # the call's trace and its tracking mode set aside while the region runs
+        try:
+            with torch.overrides._pop_mode_temporarily():
+                out = compiled(*args, **kwargs)
+        finally:
+            _stack.append(tr)
+        outs = optree.tree_leaves(out, none_is_leaf=True)
+        for o, m in zip(outs, _outs[rid]):
+            if isinstance(o, torch.Tensor):
+                if m:
+                    _vma.tag(o, tr, m)
+                elif hasattr(o, _vma._ATTR):
+                    delattr(o, _vma._ATTR)
+        return out
+
+    def _name(self) -> str:
+        return f"fs.compile({getattr(self.fn, '__qualname__', type(self.fn).__name__)}) region"
