@@ -172,7 +172,8 @@ def compile(  # noqa: A001 (fs.compile, as torch.compile)
 def _region_trace():
     """``(trace, None)``: the eager shard_map call a compiled function called now runs in as a region
     (`_region`); ``(None, None)``: outside an eager call; ``(None, why)``: inside one the region does
-    not cover (the function then runs eagerly)."""
+    not cover (the function then runs eagerly): uneven blocks, a nested call, ``fs.debug``,
+    ``fs.no_sync``, a torch-function mode entered inside ``f``."""
     from . import _scalars
 
     if not _scalars._stack:
@@ -186,6 +187,12 @@ def _region_trace():
         return None, "with uneven blocks (a dim its mesh axes do not divide)"
     if len(_scalars._stack) > 1:
         return None, "nested in another shard_map call"
+    from . import _buckets, _debug
+
+    if _debug.enabled:
+        return None, "under fs.debug (which checks each collective before it is sent, eagerly)"
+    if not _buckets._sync:
+        return None, "under fs.no_sync (a region would sum its gradients at once)"
     modes = torch.overrides._get_current_function_mode_stack()
     if not modes or modes[-1] is not tr._mode:
         return None, f"under a torch-function mode entered inside f ({type(modes[-1]).__name__})"
@@ -194,8 +201,8 @@ def _region_trace():
 
 EAGER_REGION = (
     "fshard: fs.compile({fn}) was called inside an eager call of fs.shard_map({where}) {why}: it runs "
-    "eagerly there, with the call's values, gradients and collectives; compiled regions are traced "
-    "apart from calls of even blocks on one shard_map level"
+    "eagerly there, with the call's values, gradients and collectives (docs/tutorial/09-compiling.md: "
+    "what a compiled region covers)"
 )
 """The warning given once per compiled function when a call falls outside what a region covers."""
 

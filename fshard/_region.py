@@ -8,20 +8,20 @@ So a region is traced apart from the call, as a compiled shard_map call is: the 
 set aside while the compiled function runs, and the traced function makes a trace of its own
 (`_run`), tags its tensor arguments with the masks they have in the eager call (closure constants
 of the compiled function, one compiled function per pattern of masks), and tracks the body at
-trace time. The masks of its outputs are noted at trace time (`_note`) and put on the outputs in
-the eager call. Inside, ``fs.psum`` and the other collectives act over the same mesh, and the
+trace time. The masks of its outputs, constants of the trace, are returned with its result and put
+on the outputs in the eager call. Inside, ``fs.psum`` and the other collectives act over the same mesh, and the
 implicit casts of invariant inputs that need a gradient are in the graph (their transposes, the
 gradient all-reduces, in the compiled backward).
 
 The rule of an op applies to the region as a whole exactly as to the ops inside it, so the values,
 gradients and masks are the eager call's. Calls the region does not cover run the function eagerly
 in the call (as every torch.compile'd function does there, `_dynamo_hooks`): a call with uneven
-blocks, a torch-function mode of the caller's inside ``f``, a shard_map call nested in another.
+blocks, a shard_map call nested in another, ``fs.debug``, ``fs.no_sync``, a torch-function mode of
+the caller's entered inside ``f`` (`_jit._region_trace`).
 """
 
 from __future__ import annotations
 
-import itertools
 import types
 from typing import Any
 
@@ -34,8 +34,6 @@ from ._scalars import _stack
 
 __all__ = ["Region", "active_eager_trace"]
 
-_outs: dict[int, tuple] = {}  # region id -> the masks of its outputs, noted at trace time
-_ids = itertools.count()
 
 
 def active_eager_trace() -> _vma.Trace | None:
@@ -46,16 +44,11 @@ def active_eager_trace() -> _vma.Trace | None:
     return tr
 
 
-@torch._dynamo.assume_constant_result  # run at trace time, not traced
-def _note(rid: int, masks: tuple) -> bool:
-    _outs[rid] = masks
-    return True
-
-
-def _run(fn, mesh, where: str, masks: tuple, rid: int, args, kwargs):
+def _run(fn, mesh, where: str, masks: tuple, args, kwargs):
     """The traced body of a region: ``fn`` under a trace of its own, its tensor arguments tagged
     with ``masks``. Views of them are tagged (a tag set on an argument itself would be a side
-    effect Dynamo replays on the caller's tensor)."""
+    effect Dynamo replays on the caller's tensor). Returns ``fn``'s result and the masks of its
+    leaves (constants of the trace, returned as such by the compiled function)."""
     tr = _vma.Trace(mesh, where)
     with tr:
         tree: Any = (args, kwargs)
@@ -71,13 +64,13 @@ def _run(fn, mesh, where: str, masks: tuple, rid: int, args, kwargs):
         args, kwargs = optree.tree_unflatten(spec, local)
         out = fn(*args, **kwargs)
         outs = optree.tree_leaves(out, none_is_leaf=True)
-        _note(rid, tuple(_vma.get(o, tr) if isinstance(o, torch.Tensor) else 0 for o in outs))
-    return out
+        got = tuple(_vma.get(o, tr) if isinstance(o, torch.Tensor) else 0 for o in outs)
+    return out, got
 
 
-def _region_code(fn, mesh, where, masks, rid):
+def _region_code(fn, mesh, where, masks):
     def region(*args, **kwargs):
-        return _run(fn, mesh, where, masks, rid, args, kwargs)
+        return _run(fn, mesh, where, masks, args, kwargs)
 
     return region
 
@@ -98,14 +91,13 @@ class Region:
         key = (id(tr.mesh), tr.where, masks)
         hit = self.compiled.get(key)
         if hit is None:
-            rid = next(_ids)
-            region = _region_code(self.fn, tr.mesh, tr.where, masks, rid)
+            region = _region_code(self.fn, tr.mesh, tr.where, masks)
             # a code object of its own: Dynamo's cache (and recompile limit) is per code object
             region = types.FunctionType(
                 region.__code__.replace(), region.__globals__, self._name(), None, region.__closure__
             )
-            hit = self.compiled[key] = (rid, self.compile_fn(region), tr.mesh)
-        rid, compiled, _ = hit
+            hit = self.compiled[key] = (self.compile_fn(region), tr.mesh)
+        compiled = hit[0]
         if tr.queue is not None:  # collectives queued in the call run first, in issue order
             tr.queue.flush()
         if tr.pending is not None:
@@ -113,11 +105,11 @@ class Region:
         _stack.pop()  # the call's trace and its tracking mode set aside while the region runs
         try:
             with torch.overrides._pop_mode_temporarily():
-                out = compiled(*args, **kwargs)
+                out, got = compiled(*args, **kwargs)
         finally:
             _stack.append(tr)
         outs = optree.tree_leaves(out, none_is_leaf=True)
-        for o, m in zip(outs, _outs[rid]):
+        for o, m in zip(outs, got):
             if isinstance(o, torch.Tensor):
                 if m:
                     _vma.tag(o, tr, m)

@@ -233,6 +233,38 @@ def _rank_regions():
         close(errs, "uneven: grad", g, torch.autograd.grad(l7, wr)[0])
         out["uneven"] = (stats["graphs"], stats["ops"])
 
+        # with check=False, inside fs.remat, and called with a second pattern of masks (x invariant)
+        backend, stats = compile_counter()
+        both_ways = fs.compile(lambda w, x: torch.tanh(x @ w), backend=backend)
+
+        def two_patterns(w, x, y):
+            extra = both_ways(w, torch.ones(1, D)).sum()  # x invariant here: another graph
+            return fs.pmean(((fs.remat(both_ways)(w, x) - y) ** 2).mean(), "dp") + 0 * extra
+
+        vg2 = fs.value_and_grad(
+            fs.shard_map(two_patterns, mesh=mesh, in_specs=specs, out_specs="", check=False)
+        )
+        for k in range(2):
+            got, g = vg2(w, x, y)
+            close(errs, f"patterns call {k}: loss", got, want)
+            close(errs, f"patterns call {k}: grad", g, want_g)
+        out["patterns"] = stats["graphs"]
+
+        # fs.debug checks each collective before it is sent: eagerly
+        backend, stats = compile_counter()
+        checked = fs.compile(lambda w, x: torch.tanh(x @ w), backend=backend)
+        smd = fs.shard_map(
+            lambda w, x, y: fs.pmean(((checked(w, x) - y) ** 2).mean(), "dp"),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs="",
+        )
+        with fs.debug():
+            got, g = fs.value_and_grad(smd)(w, x, y)
+        close(errs, "debug: loss", got, want)
+        close(errs, "debug: grad", g, want_g)
+        out["debug"] = stats["graphs"]
+
         # inductor: fs.count_collectives counts the region's collectives with the call's
         ind = fs.compile(lambda w, x: torch.tanh(x @ w))
         smi = fs.shard_map(
@@ -265,11 +297,17 @@ def test_fs_compile_inside_an_eager_call_is_a_compiled_region_with_eager_values(
             ("all_reduce", 4),
             ("all_reduce", D * H * 4),
         ], out
+        assert out["patterns"] == 2, out  # one graph per pattern of masks, none recompiled over the calls
+        assert out["debug"] == 0, out
+        name = "fshard: fs.compile(_rank_regions.<locals>.<lambda>) was called inside an eager call of fs.shard_map("
+        tail = (
+            ": it runs eagerly there, with the call's values, gradients and collectives "
+            "(docs/tutorial/09-compiling.md: what a compiled region covers)"
+        )
         assert out["warnings"] == [
-            "fshard: fs.compile(_rank_regions.<locals>.<lambda>) was called inside an eager call of "
-            "fs.shard_map(_rank_regions.<locals>.<lambda>) with uneven blocks (a dim its mesh axes do not "
-            "divide): it runs eagerly there, with the call's values, gradients and collectives; compiled "
-            "regions are traced apart from calls of even blocks on one shard_map level"
+            f"{name}_rank_regions.<locals>.<lambda>) with uneven blocks (a dim its mesh axes do not divide){tail}",
+            f"{name}_rank_regions.<locals>.<lambda>) under fs.debug (which checks each collective before it "
+            f"is sent, eagerly){tail}",
         ], out["warnings"]
 
 
