@@ -19,6 +19,10 @@ are the builders of ``benchmarks.gpt`` and ``benchmarks.fshard_contenders`` (the
   again in the backward: the GPT benchmarks' ``fshard``), eager and compiled; FSDP2 (``fully_shard``
   per block and the root) eager and with ``torch.compile`` of the root module, backward outside.
   Reference: FSDP2 compiled.
+* In every layout, "regions": the eager fshard step (and in the fsdp layout the eager
+  ``fs.fsdp_scan`` step) with the demo's decoder block an ``fs.compile``'d function, a compiled
+  region called for every layer (torchtitan's per-block compile, the form compiled FSDP2 takes
+  here: one block compiled, the rest of the step eager).
 * ``--layout dp_tp``: mesh (dp, tp=2) (dp = 1 on 2 ranks: pure tensor parallelism); fshard with the
   demo's dp x tp specs, eager and compiled; DTensor TP (``parallelize_module``) + DDP over dp, eager
   and ``torch.compile`` of the DDP module. Reference: DTensor compiled.
@@ -34,6 +38,7 @@ call is also timed alone, in fresh processes with inductor's caches off, with Dy
 the C++ compiler's seconds.
 
     python -m benchmarks.compiled --world 2 --model demo --layout dp --rounds 9 --steps 3
+    python -m benchmarks.compiled --layout fsdp --only "fshard fsdp_scan regions"
 """
 
 from __future__ import annotations
@@ -65,9 +70,10 @@ BUCKET_AG_RS = {
 def contenders(layout: str) -> list[str]:
     """The contenders of ``layout``, in the order they are built and first called."""
     native = {"dp": "DDP", "fsdp": "FSDP2", "dp_tp": "DTensor"}[layout]
-    out = ["fshard eager", "fshard compiled"]
+    out = ["fshard eager", "fshard compiled", "fshard regions"]
     if layout == "fsdp":
         out += ["fshard compiled ag/rs buckets", "fshard fsdp_scan eager", "fshard fsdp_scan compiled"]
+        out += ["fshard fsdp_scan regions"]
     return out + [f"{native} eager", f"{native} compiled"]
 
 
@@ -93,7 +99,9 @@ def _ctx(layout: str, model: str, batch: int, weights, tokens):
     )
 
 
-def _fshard(ctx, backend: str | None, options: dict | None = None, scan: bool = False):
+def _fshard(
+    ctx, backend: str | None, options: dict | None = None, scan: bool = False, regions: str | None = None
+):
     """The fshard step; with ``backend``, the loss and ``loss.backward()`` under ``fs.compile`` (the
     gradients set to None outside, as every contender does inside its step). In the fsdp layout the
     split parameters are gathered one leaf at a time at the top of the step, or (``scan``) per block
@@ -117,6 +125,28 @@ def _fshard(ctx, backend: str | None, options: dict | None = None, scan: bool = 
         inner.__code__ = inner.__code__.replace(co_name=f"fshard_step_{tag}")
         inner = fs.compile(inner, backend=backend, options=options)
 
+    if regions is not None:  # eager step, each decoder block an fs.compile'd region (one graph for all)
+        from fshard_demo import model as demo
+
+        plain_block = demo.block
+
+        def blk_fn(blk, x, cfg):
+            return plain_block(blk, x, cfg)
+
+        blk_fn.__code__ = blk_fn.__code__.replace(co_name=f"fshard_block_{ctx.bench}")
+        region_block = fs.compile(blk_fn, backend=regions)
+
+        def step():
+            for t in locals_:
+                t.grad = None
+            demo.block = region_block
+            try:
+                return inner(params, tokens)
+            finally:
+                demo.block = plain_block
+
+        return Prepared(step, _gpt_values(ctx, lambda: {n: p.grad for n, p in flat.items()}))
+
     def step():
         for t in locals_:
             t.grad = None
@@ -128,6 +158,8 @@ def _fshard(ctx, backend: str | None, options: dict | None = None, scan: bool = 
 def build(name: str, ctx, backend: str):
     """Contender ``name`` (see ``contenders``) on ``ctx``: a ``Prepared``."""
     compiled = backend if name.endswith(("compiled", "buckets")) else None
+    if name.startswith("fshard") and name.endswith("regions"):
+        return _fshard(ctx, None, scan="fsdp_scan" in name, regions=backend)
     if name.startswith("fshard"):
         options = BUCKET_AG_RS if name.endswith("buckets") else None
         return _fshard(ctx, compiled, options, scan="fsdp_scan" in name)
@@ -200,6 +232,19 @@ def _inputs(model: str, batch: int):
     return gpt.make_weights(cfg), gpt.make_tokens(cfg, batch)["tokens"]
 
 
+def _selected(layout: str, only) -> list[str]:
+    """``contenders(layout)``, or those named in ``only`` with eager fshard (every contender's values
+    are checked against it) and the layout's reference."""
+    names = contenders(layout)
+    if not only:
+        return names
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        raise SystemExit(f"--only: no contender {unknown} in layout {layout}; its contenders: {names}")
+    keep = {"fshard eager", REFERENCE[layout], *only}
+    return [n for n in names if n in keep]
+
+
 def _first_call(layout: str, name: str, model: str, batch: int, backend: str) -> dict[str, float]:
     """One compiled contender's first call, in fresh processes with inductor's caches off (kernels
     compiled for an earlier contender in the same process would otherwise be reused)."""
@@ -215,14 +260,16 @@ def _first_call(layout: str, name: str, model: str, batch: int, backend: str) ->
     return {"first": time.perf_counter() - t0, **_compile_stats()}
 
 
-def _rank(layout: str, model: str, batch: int, steps: int, rounds: int, backend: str) -> dict:
+def _rank(
+    layout: str, model: str, batch: int, steps: int, rounds: int, backend: str, only: tuple = ()
+) -> dict:
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 4
     torch._inductor.config.compile_threads = 1  # the ranks share the machine's cores
     weights, tokens = _inputs(model, batch)
-    names = contenders(layout)
+    names = _selected(layout, only)
     preps = {n: build(n, _ctx(layout, model, batch, weights, tokens), backend) for n in names}
     first: dict[str, float] = {}
     graphs: dict[str, int] = {}
@@ -263,14 +310,22 @@ def main() -> None:
         action="store_true",
         help="skip timing each compiled contender's first call alone in fresh processes",
     )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated contenders to run (with eager fshard and the reference), e.g. "
+        "'fshard regions,fshard fsdp_scan regions'",
+    )
     a = ap.parse_args()
+    only = tuple(n.strip() for n in a.only.split(",") if n.strip())
+    names = _selected(a.layout, only)
     dp, tp = gpt.mesh_shape(a.layout, a.world)
-    run_args = (a.layout, a.model, a.batch, a.steps, a.rounds, a.backend)
+    run_args = (a.layout, a.model, a.batch, a.steps, a.rounds, a.backend, only)
     res = fs.launch(_rank, a.world, run_args, timeout=3600)[0]
     firsts = {}
     if not a.no_first_alone:
-        for name in contenders(a.layout):
-            if name.endswith(("compiled", "buckets")):
+        for name in names:
+            if name.endswith(("compiled", "buckets", "regions")):
                 args = (a.layout, name, a.model, a.batch, a.backend)
                 firsts[name] = fs.launch(_first_call, a.world, args, timeout=3600)[0]
     cfg = gpt.MODELS[a.model]

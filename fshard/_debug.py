@@ -99,11 +99,14 @@ def check_inputs(name: str, mesh, leaves, plans, kind) -> None:
         )
 
 
-def check_outputs(name: str, mesh, leaves, key) -> None:
-    """Outputs must have the same structure and local shapes on every rank."""
+def check_outputs(name: str, mesh, leaves, key, uneven: bool = False) -> None:
+    """Outputs must have the same structure and local shapes on every rank (with ``uneven`` blocks:
+    the same numbers of dims)."""
     if mesh.size == 1:
         return
-    shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves]
+    shapes = [
+        (x.dim() if uneven else tuple(x.shape)) if isinstance(x, torch.Tensor) else None for x in leaves
+    ]
     sig = int.from_bytes(hashlib.blake2b(repr((key[0], shapes)).encode(), digest_size=7).digest(), "little")
     rows = _gather([sig], mesh)
     if len({row[0] for row in rows}) == 1:

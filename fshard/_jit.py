@@ -173,7 +173,8 @@ def _region_trace():
     """``(trace, None)``: the eager shard_map call a compiled function called now runs in as a region
     (`_region`); ``(None, None)``: outside an eager call; ``(None, why)``: inside one the region does
     not cover (the function then runs eagerly): uneven blocks, a nested call, ``fs.debug``,
-    ``fs.no_sync``, a torch-function mode entered inside ``f``."""
+    ``fs.no_sync``, ``fs.count_collectives`` with a backend other than inductor, a torch.func
+    transform, a torch-function mode entered inside ``f``."""
     from . import _scalars
 
     if not _scalars._stack:
@@ -193,6 +194,18 @@ def _region_trace():
         return None, "under fs.debug (which checks each collective before it is sent, eagerly)"
     if not _buckets._sync:
         return None, "under fs.no_sync (a region would sum its gradients at once)"
+    if torch._C._are_functorch_transforms_active():
+        return None, (
+            "under a torch.func transform (grad, vjp, jvp, vmap, ...), which Dynamo does not trace "
+            "a compiled function inside when the transform was entered eagerly"
+        )
+    from . import _comm
+
+    if _comm.counting_refused():
+        return None, (
+            "under fs.count_collectives with a backend other than inductor (only inductor's graphs "
+            "count their own collectives)"
+        )
     modes = torch.overrides._get_current_function_mode_stack()
     if not modes or modes[-1] is not tr._mode:
         return None, f"under a torch-function mode entered inside f ({type(modes[-1]).__name__})"

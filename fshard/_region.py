@@ -16,7 +16,8 @@ gradient all-reduces, in the compiled backward).
 The rule of an op applies to the region as a whole exactly as to the ops inside it, so the values,
 gradients and masks are the eager call's. Calls the region does not cover run the function eagerly
 in the call (as every torch.compile'd function does there, `_dynamo_hooks`): a call with uneven
-blocks, a shard_map call nested in another, ``fs.debug``, ``fs.no_sync``, a torch-function mode of
+blocks, a shard_map call nested in another, ``fs.debug``, ``fs.no_sync``, ``fs.count_collectives``
+with a backend other than inductor, a torch-function mode of
 the caller's entered inside ``f`` (`_jit._region_trace`).
 """
 
@@ -33,7 +34,6 @@ from ._comm import untracked
 from ._scalars import _stack
 
 __all__ = ["Region", "active_eager_trace"]
-
 
 
 def active_eager_trace() -> _vma.Trace | None:

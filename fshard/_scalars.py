@@ -254,7 +254,31 @@ def _scan(x, tid: int) -> int:
         return bits
     if isinstance(x, _Tensor):
         tag = getattr(x, _ATTR, None)
-        return tag[1] if tag is not None and tag[0] == tid else 0
+        return tag[1] if tag is not None and tag[0] == tid else hidden_bits(x, tid)
+    return 0
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrap = torch._C._functorch.get_unwrapped
+
+
+def hidden_bits(t: torch.Tensor, tid: int) -> int:
+    """The mask in trace ``tid`` of a tensor without a tag of that trace: torch.func transforms hide
+    it (0: invariant).
+
+    Inside a transform the mask may live on the tensor a wrapper wraps (``vmap``'s batch, ``jvp``'s
+    primal); a transform's result (``vmap``'s output with the batch dim moved back, ``jvp``'s
+    primal and tangent) is the wrapped tensor or a view of it, tagged when the wrapper was tagged.
+    """
+    if _is_wrapped(t):
+        t = _unwrap(t)
+        tag = getattr(t, _ATTR, None)
+        return tag[1] if tag is not None and tag[0] == tid else hidden_bits(t, tid)
+    base = t._base
+    if base is not None:
+        tag = getattr(base, _ATTR, None)
+        if tag is not None and tag[0] == tid:
+            return tag[1]
     return 0
 
 

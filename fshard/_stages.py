@@ -370,13 +370,15 @@ def debug_check_inputs(name: str, mesh: Mesh, args, leaves, plans, kind) -> None
     _raise_values(mesh, axes, replicas, _odd_groups(mesh, rows, 1), f"fs.shard_map({name}) [debug]")
 
 
-def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey) -> None:
+def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey, uneven: bool = False) -> None:
     """fs.debug's output check, with the trees inside PerRank outputs compared only between the
-    ranks that share their index (they may differ from one index to the next)."""
+    ranks that share their index (they may differ from one index to the next). In a call with
+    ``uneven`` blocks the outputs' ranks (numbers of dims) are compared, not their sizes (the
+    stitching finds the global shapes, and raises the same error on every rank)."""
     tops, treedef = optree.tree_flatten(out, is_leaf=_is_per_rank)
     per_rank = [x for x in tops if isinstance(x, PerRank)]
     if not per_rank:
-        _debug.check_outputs(name, mesh, out_leaves, okey)
+        _debug.check_outputs(name, mesh, out_leaves, okey, uneven)
         return
     if mesh.size == 1:
         return

@@ -36,6 +36,7 @@ from ._scalars import (
     _stack,
     _varying_axes_text,
     _varying_scalar,
+    hidden_bits,
 )
 
 _Tensor = torch.Tensor
@@ -176,20 +177,9 @@ def get(t, tr: Trace) -> int:
 
 
 def _hidden(t, tr: Trace) -> int:
-    """The mask of a tensor without a tag of ``tr``: torch.func transforms hide it.
-
-    Inside a transform the mask may live on the tensor a wrapper wraps; a transform's result
-    (``vmap``'s output with the batch dim moved back, ``jvp``'s primal and tangent) is the
-    wrapped tensor or a view of it, tagged by `_tag_wrapped` when the wrapper was tagged.
-    """
-    if _is_wrapped(t):
-        return get(_unwrap(t), tr)
-    base = t._base
-    if base is not None:
-        tag = getattr(base, _ATTR, None)
-        if tag is not None and tag[0] == tr.id:
-            return tag[1]
-    return 0
+    """The mask of a tensor without a tag of ``tr``: torch.func transforms hide it (see
+    `_scalars.hidden_bits`)."""
+    return hidden_bits(t, tr.id)
 
 
 def _tag_wrapped(t, tag: tuple) -> None:
@@ -262,6 +252,13 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         g = tr.mesh.axis_group(tr.mesh.names_of(missing), "pvary")
         if not tr.compiled:  # (compiled: the mesh's own cache, which Dynamo reads as a constant)
             tr.cast_groups[missing] = g
+    if _functorch_active():
+        # inside a torch.func transform entered in f (vmap, grad, jvp, ...): the cast with its own
+        # transpose (the gradient buckets' taps have no batching or forward rule), not cached (the
+        # result may be the transform's wrapper, dead once it exits)
+        out = apply(Pvary, x, g)
+        tag(out, tr, have | missing)
+        return out
     twin = tr.twins.get(id(x)) if tr.twins else None
     if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
         # a tensor behind a GradBoundary (or an invariant function of one): its twin is the
@@ -270,7 +267,7 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         out = _twin_of(tr, twin)
     else:
         path = tr.inputs.get(id(x)) if tr.inputs else None
-        if path is not None and not _functorch_active():
+        if path is not None:
             out = apply(PvaryInput, x, g, path)
         else:
             out = apply(Pvary, x, g)

@@ -349,3 +349,124 @@ def test_fs_compile_region_on_a_dp_x_tp_mesh_matches_one_process():
             ops,
             warned,
         )
+
+
+def _rank_region_scan():
+    import fshard as fs
+
+    errs: list[str] = []
+    mesh = fs.Mesh(dp=N)
+    layers = [{"w": randn(10 + i, D, D), "b": randn(20 + i, D)} for i in range(3)]
+    x, y = randn(1, B, D), randn(2, B, D)
+    ref = [{k: v.clone().requires_grad_(True) for k, v in layer.items()} for layer in layers]
+    h = x
+    for layer in ref:
+        h = torch.tanh(h @ layer["w"] + layer["b"])
+    want = ((h - y) ** 2).mean()
+    want_g = torch.autograd.grad(want, [v for layer in ref for v in layer.values()])
+    backend, stats = compile_counter()
+    body = fs.compile(lambda layer, h: torch.tanh(h @ layer["w"] + layer["b"]), backend=backend)
+
+    def make(layer_fn):
+        def loss(layers, x, y):
+            h = fs.fsdp_scan(layer_fn, layers, x, "dp", dims={"w": 0, "b": None})
+            return fs.pmean(((h - y) ** 2).mean(), "dp")
+
+        specs = ([{"w": "(dp d) e", "b": "e"}] * 3, "(dp b) d", "(dp b) e")
+        return fs.value_and_grad(fs.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=""))
+
+    def check(what, got, grads):
+        close(errs, f"{what}: loss", got, want)
+        for i, (layer, g) in enumerate(zip(grads, [want_g[k : k + 2] for k in range(0, 6, 2)])):
+            close(errs, f"{what}: layer {i} grad w", fs.full(layer["w"]), g[0])
+            close(errs, f"{what}: layer {i} grad b", fs.full(layer["b"]), g[1])
+
+    vg = make(body)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(2):
+            check(f"call {k}", *vg(layers, x, y))
+        graphs = stats["graphs"]
+        # a count with a backend whose graphs do not count: the region runs eagerly, counted exactly
+        with fs.count_collectives() as counts:
+            check("counted call", *vg(layers, x, y))
+    with fs.count_collectives() as plain:
+        make(lambda layer, h: torch.tanh(h @ layer["w"] + layer["b"]))(layers, x, y)
+    return errs, (graphs, stats["graphs"], counts.records == plain.records, _fshard_warnings(caught))
+
+
+def test_fs_compile_region_as_the_fsdp_scan_layer_matches_one_process():
+    got = run_ranks(N, _rank_region_scan, timeout=110)
+    assert_ok([e for e, _ in got])
+    for _, (graphs, graphs_after, same_counts, warned) in got:
+        # two graphs over both calls: the first layer's input (x) needs no gradient, the others' do
+        # (a guard of Dynamo's); layers 2 and 3 share one
+        assert graphs == 2, graphs
+        assert graphs_after == 2, graphs_after  # the counted call compiled nothing
+        assert same_counts, "the counted call's collectives differ from the plain function's"
+        assert warned == [
+            "fshard: fs.compile(_rank_region_scan.<locals>.<lambda>) was called inside an eager call of "
+            "fs.shard_map(_rank_region_scan.<locals>.make.<locals>.loss) under fs.count_collectives with "
+            "a backend other than inductor (only inductor's graphs count their own collectives): it runs "
+            "eagerly there, with the call's values, gradients and collectives "
+            "(docs/tutorial/09-compiling.md: what a compiled region covers)"
+        ], warned
+
+
+def _rank_region_transforms():
+    import torch.func as tf
+
+    import fshard as fs
+
+    errs: list[str] = []
+    mesh = fs.Mesh(dp=N)
+    w, x, y = randn(0, D, H), randn(1, B, D), randn(2, B, H)
+    wr = w.clone().requires_grad_(True)
+    want = ((torch.tanh(x @ wr) - y) ** 2).mean()
+    (want_g,) = torch.autograd.grad(want, wr)
+    backend, stats = compile_counter()
+    body = fs.compile(lambda w, x: torch.tanh(x @ w), backend=backend)
+    specs = ("...", "(dp b) d", "(dp b) h")
+    sm = fs.shard_map(
+        lambda w, x, y: fs.pmean(((body(w, x) - y) ** 2).mean(), "dp"),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs="",
+    )
+
+    def rows(w, x, y):  # vmap entered inside f, the region called per row
+        r = tf.vmap(lambda xi: body(w, xi[None])[0])(x)
+        return fs.pmean(((r - y) ** 2).mean(), "dp")
+
+    smv = fs.shard_map(rows, mesh=mesh, in_specs=specs, out_specs="")
+    t = randn(3, D, H)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        close(errs, "torch.func.grad around", tf.grad(sm)(w, x, y), want_g)
+        got, tangent = tf.jvp(lambda w: sm(w, x, y), (w,), (t,))
+        close(errs, "torch.func.jvp around: value", got, want)
+        close(errs, "torch.func.jvp around: tangent", tangent, (want_g * t).sum())
+        got, g = fs.value_and_grad(smv)(w, x, y)
+        close(errs, "vmap inside f: loss", got, want)
+        close(errs, "vmap inside f: grad", g, want_g)
+        got, g = fs.value_and_grad(sm)(w, x, y)  # no transform: the compiled region
+        close(errs, "region: loss", got, want)
+        close(errs, "region: grad", g, want_g)
+    return errs, (stats["graphs"], _fshard_warnings(caught))
+
+
+def test_fs_compile_region_under_torch_func_transforms_runs_eagerly_with_eager_values():
+    got = run_ranks(N, _rank_region_transforms, timeout=110)
+    assert_ok([e for e, _ in got])
+    why = (
+        "under a torch.func transform (grad, vjp, jvp, vmap, ...), which Dynamo does not trace a compiled "
+        "function inside when the transform was entered eagerly: it runs eagerly there, with the call's values, "
+        "gradients and collectives (docs/tutorial/09-compiling.md: what a compiled region covers)"
+    )
+    name = "fshard: fs.compile(_rank_region_transforms.<locals>.<lambda>) was called inside an eager call of "
+    for _, (graphs, warned) in got:
+        assert graphs == 1, graphs  # only the call without a transform compiled
+        assert warned == [
+            f"{name}fs.shard_map(_rank_region_transforms.<locals>.<lambda>) {why}",
+            f"{name}fs.shard_map(_rank_region_transforms.<locals>.rows) {why}",
+        ], warned

@@ -1,0 +1,90 @@
+"""``torch.func.vmap`` entered inside ``f`` over a varying batch, with a parameter the vmapped
+function captures (invariant, so implicitly cast where it meets a row), under a gradient taken
+outside ``f`` (``fs.value_and_grad``): each row's index (``xi[None]``, ``xi[1:]``) and each cast
+made under vmap.
+
+Two faults found by trying it: an index of a batched row lost the row's varying axes (fshard read
+a functorch wrapper's mask only in the plain rule, not in indexing), so ``xi[None] @ w`` counted as
+invariant and the gradient of ``w`` was not summed over the ranks: each rank returned its own
+wrong gradient, silently. And a cast made under vmap of a parameter behind the gradient buckets
+raised "You tried to vmap over TwinTap". Each program is compared with plain torch on the global
+tensors in one process, on 1-, 2- and 3-axis meshes with the batch cut unevenly over every axis,
+with and without gradient buckets, and with ``check=False``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_ranks
+from tests.helpers import assert_ok, close, randn
+
+DT = torch.float64
+MESHES = {2: {"dp": 2}, 4: {"dp": 2, "tp": 2}, 8: {"dp": 2, "tp": 2, "pp": 2}}
+ROWS = {2: 5, 4: 6, 8: 10}  # rows % ranks != 0: uneven blocks
+D, H = 3, 4
+
+# name -> per-row function of (row, w): each built from the row by the construct named
+ROW_FNS = {
+    "index None": lambda xi, w: torch.tanh(xi[None] @ w)[0],
+    "slice": lambda xi, w: torch.tanh(xi[1:] @ w[1:]),
+    "cast under vmap": lambda xi, w: torch.tanh(xi @ w),
+    "index then op": lambda xi, w: torch.tanh((xi[None] * 2)[0] @ w) / 2,
+}
+
+
+def _rank(n: int):
+    from torch.func import vmap
+
+    import fshard as fs
+
+    errs: list[str] = []
+    mesh = fs.Mesh(**MESHES[n])
+    axes = tuple(mesh.axis_names)
+    rows = ROWS[n]
+    w, x = randn(0, D, H, dtype=DT), randn(1, rows, D, dtype=DT)
+    batch = f"({' '.join(axes)} b) d"
+    for name, row in ROW_FNS.items():
+        wr = w.clone().requires_grad_(True)
+        want = (torch.func.vmap(lambda xi, row=row, wr=wr: row(xi, wr))(x) ** 2).sum()
+        (want_g,) = torch.autograd.grad(want, wr)
+        for opts in ({}, {"bucket_mb": 0}, {"check": False}):
+
+            def loss(w, x, row=row):
+                return fs.psum((vmap(lambda xi: row(xi, w))(x) ** 2).sum(), axes)
+
+            sm = fs.shard_map(loss, mesh=mesh, in_specs=("...", batch), out_specs="", **opts)
+            got, g = fs.value_and_grad(sm)(w, x)
+            close(errs, f"{name} {opts}: loss", got, want, DT)
+            close(errs, f"{name} {opts}: grad", g, want_g, DT)
+
+    return errs
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_vmap_inside_f_keeps_the_rows_varying_axes(n):
+    assert_ok(run_ranks(n, _rank, n, timeout=110))
+
+
+def _rank_debug(rows: int):
+    """fs.debug with uneven blocks: the outputs' blocks differ in size by design (it raised
+    "f returned outputs whose structure or local shapes differ across ranks" on every such call)."""
+    import fshard as fs
+
+    errs: list[str] = []
+    mesh = fs.Mesh(dp=2)
+    x = randn(2, rows, D, dtype=DT)
+    sm = fs.shard_map(
+        lambda x: (x * 2, x.sum(0)), mesh=mesh, in_specs="(dp b) d", out_specs=("(dp b) d", "d | sum(dp)")
+    )
+    with fs.debug():
+        y, s = sm(x)
+    close(errs, f"rows {rows}: blocks", fs.full(y), 2 * x, DT)
+    close(errs, f"rows {rows}: partial sums", fs.full(s), x.sum(0), DT)
+    return errs
+
+
+@pytest.mark.parametrize("rows", [4, 5])
+def test_debug_accepts_uneven_blocks(rows):
+    assert_ok(run_ranks(2, _rank_debug, rows))
