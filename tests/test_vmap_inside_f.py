@@ -82,6 +82,22 @@ def _rank_debug(rows: int):
         y, s = sm(x)
     close(errs, f"rows {rows}: blocks", fs.full(y), 2 * x, DT)
     close(errs, f"rows {rows}: partial sums", fs.full(s), x.sum(0), DT)
+    # a block of another rank (number of dims) on one rank is still caught, before any stitching
+    rank = mesh.axis_index("dp")
+    odd = fs.shard_map(lambda x: x if rank == 0 else x[None], mesh=mesh, in_specs="(dp b) d", out_specs="...")
+    try:
+        with fs.debug():
+            odd(x)
+        errs.append(f"rows {rows}: a block with another number of dims on rank 1 was not caught")
+    except fs.TracingError as e:
+        want = (
+            "fs.shard_map(_rank_debug.<locals>.<lambda>) [debug]: f returned outputs whose structure or local "
+            "shapes differ across ranks (equal within: rank 0; rank 1); a data-dependent shape (x[mask], "
+            "nonzero, unique) on a varying value differs per rank: pad it to a fixed size (torch.where with a "
+            "fill value) or return the mask with the values"
+        )
+        if str(e) != want:
+            errs.append(f"rows {rows}: message {str(e)!r}")
     return errs
 
 
