@@ -47,8 +47,9 @@ def active_eager_trace() -> _vma.Trace | None:
 def _run(fn, mesh, where: str, masks: tuple, args, kwargs):
     """The traced body of a region: ``fn`` under a trace of its own, its tensor arguments tagged
     with ``masks``. Views of them are tagged (a tag set on an argument itself would be a side
-    effect Dynamo replays on the caller's tensor). Returns ``fn``'s result and the masks of its
-    leaves (constants of the trace, returned as such by the compiled function)."""
+    effect Dynamo replays on the caller's tensor). Returns ``fn``'s result and, constants of the
+    trace returned as such by the compiled function, the masks of its leaves and those of the
+    arguments after it ran (an argument written in place varies as the value written into it)."""
     tr = _vma.Trace(mesh, where)
     with tr:
         tree: Any = (args, kwargs)
@@ -65,7 +66,9 @@ def _run(fn, mesh, where: str, masks: tuple, args, kwargs):
         out = fn(*args, **kwargs)
         outs = optree.tree_leaves(out, none_is_leaf=True)
         got = tuple(_vma.get(o, tr) if isinstance(o, torch.Tensor) else 0 for o in outs)
-    return out, got
+        # an argument written in place with a value that varies more (the in-place rule tagged it)
+        written = tuple(_vma.get(x, tr) if isinstance(x, torch.Tensor) else 0 for x in local)
+    return out, (got, written)
 
 
 def _region_code(fn, mesh, where, masks):
@@ -105,9 +108,13 @@ class Region:
         _stack.pop()  # the call's trace and its tracking mode set aside while the region runs
         try:
             with torch.overrides._pop_mode_temporarily():
-                out, got = compiled(*args, **kwargs)
+                out, (got, written) = compiled(*args, **kwargs)
         finally:
             _stack.append(tr)
+        if written != masks:  # as the eager in-place rule does: the written argument varies as its value
+            for x, m, w in zip(leaves, masks, written):
+                if w != m:
+                    _vma.tag(x, tr, w)
         outs = optree.tree_leaves(out, none_is_leaf=True)
         for o, m in zip(outs, got):
             if isinstance(o, torch.Tensor):

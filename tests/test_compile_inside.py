@@ -470,3 +470,53 @@ def test_fs_compile_region_under_torch_func_transforms_runs_eagerly_with_eager_v
             f"{name}fs.shard_map(_rank_region_transforms.<locals>.<lambda>) {why}",
             f"{name}fs.shard_map(_rank_region_transforms.<locals>.rows) {why}",
         ], warned
+
+
+def _rank_region_inplace():
+    import fshard as fs
+
+    errs: list[str] = []
+    mesh = fs.Mesh(dp=N)
+    x = randn(1, B, D)
+    backend, stats = compile_counter()
+    add_rows = fs.compile(lambda h, x: h.add_(x.sum(0)), backend=backend)
+
+    def summed(x):  # h starts invariant; the region writes a varying value into it
+        h = torch.zeros(D)
+        add_rows(h, x)
+        return fs.psum(h, "dp")
+
+    sm = fs.shard_map(summed, mesh=mesh, in_specs="(dp b) d", out_specs="...")
+    for k in range(2):
+        close(errs, f"call {k}: psum of the written argument", sm(x), x.sum(0))
+
+    def unreduced(x):
+        h = torch.zeros(D)
+        add_rows(h, x)
+        return h
+
+    messages = []
+    for g in (add_rows, lambda h, x: h.add_(x.sum(0))):  # the region, and the same function eagerly
+        add_rows = g
+        try:
+            fs.shard_map(unreduced, mesh=mesh, in_specs="(dp b) d", out_specs="...")(x)
+            errs.append("a replicated out_spec took a written argument that varies")
+        except fs.SpecError as e:
+            messages.append(str(e))
+    return errs, (stats["graphs"], messages)
+
+
+def test_fs_compile_region_writing_an_argument_in_place_tags_it_as_eager_does():
+    """The region wrote the caller's tensor but left its tag: a psum of it took the invariant rule
+    (2x instead of the sum over ranks), and a replicated out_spec accepted it, silently."""
+    got = run_ranks(N, _rank_region_inplace, timeout=110)
+    assert_ok([e for e, _ in got])
+    for _, (graphs, (region, eager)) in got:
+        assert graphs == 2, graphs  # one per shard_map'd function calling it, none per call
+        assert region == eager, (region, eager)
+        assert region == (
+            "fs.shard_map(_rank_region_inplace.<locals>.unreduced): 1 problem with out_specs (replication "
+            "check):\n  - out varies over mesh axis dp but out_spec '...' says it is replicated over dp; reduce "
+            "it inside f (fs.psum / fs.pmean over 'dp'), mark it as a partial sum with '| sum(dp)', split a dim "
+            "over dp in the out_spec, or pass check=False if you know it is the same on every rank"
+        ), region
