@@ -294,3 +294,16 @@ def _plain_args(x):
     if tp is list or tp is tuple or tp is torch.Size:
         return tp([_plain_args(y) for y in x])
     return x
+
+
+def needs_grad(t) -> bool:
+    """Whether ``t`` needs a gradient: its own flag, or, inside a torch.func transform entered in
+    f, that of the tensor a wrapper wraps (a ``jvp`` dual or a ``vmap`` batch of a parameter has no
+    ``requires_grad`` of its own, yet a gradient taken outside reaches the parameter through it)."""
+    if t.requires_grad:
+        return True
+    while _is_wrapped(t):
+        t = _unwrap(t)
+        if t.requires_grad:
+            return True
+    return False

@@ -301,7 +301,7 @@ class _ShardMapped(_static.Fixed):
             )
         )
         if _debug.enabled:
-            _stages.debug_check_outputs(self.name, mesh, out, out_leaves, okey, tr.uneven)  # + PerRank
+            _stages.debug_check_outputs(self.name, mesh, out, out_leaves, okey, uneven)  # + PerRank
         ohit = None if compiling else self._out_plans.get(okey)
         if ohit is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)

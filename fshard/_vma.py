@@ -31,12 +31,15 @@ from ._primitives import AllReduce, Pvary, _functorch_active, apply
 from ._scalars import (
     _ATTR,
     _CARRIERS,
+    _is_wrapped,
     _plain_args,
     _scan,
     _stack,
+    _unwrap,
     _varying_axes_text,
     _varying_scalar,
     hidden_bits,
+    needs_grad,
 )
 
 _Tensor = torch.Tensor
@@ -164,10 +167,6 @@ def reset() -> int:
     return ended
 
 
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_unwrap = torch._C._functorch.get_unwrapped
-
-
 def get(t, tr: Trace) -> int:
     """The varying-axes mask of ``t`` in trace ``tr`` (0: invariant)."""
     tag = getattr(t, _ATTR, None)
@@ -240,7 +239,7 @@ def _twin_of(tr: Trace, entry) -> torch.Tensor:
 def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     """Cast ``x`` (varying over ``have``) to vary over ``want``; cached within the trace."""
     missing = want & ~have
-    if not missing or not (x.requires_grad and torch.is_grad_enabled()):
+    if not missing or not torch.is_grad_enabled() or not (x.requires_grad or needs_grad(x)):
         return x
     # (compiled: Dynamo cannot read _version; the in-place rule drops a changed tensor's casts)
     key = (id(x), missing) if tr.compiled else (id(x), x._version, missing)
@@ -416,7 +415,7 @@ class VmaMode(TorchFunctionMode):
                         v = t[1]
                     else:  # untagged or stale: invariant, unless a torch.func transform hides a tag
                         v = _hidden(a, tr)
-                    if a.requires_grad:
+                    if a.requires_grad or (_functorch_active() and needs_grad(a)):
                         low &= v
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
@@ -426,7 +425,7 @@ class VmaMode(TorchFunctionMode):
                                 v = t[1]
                             else:
                                 v = _hidden(b, tr)
-                            if b.requires_grad:
+                            if b.requires_grad or (_functorch_active() and needs_grad(b)):
                                 low &= v
                         elif type(b) in _CARRIERS:
                             v = _scan(b, tid)

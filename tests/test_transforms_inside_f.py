@@ -1,15 +1,21 @@
-"""``torch.func.vmap`` entered inside ``f`` over a varying batch, with a parameter the vmapped
+"""torch.func transforms entered inside ``f``, over a varying batch, with a parameter the transformed
 function captures (invariant, so implicitly cast where it meets a row), under a gradient taken
-outside ``f`` (``fs.value_and_grad``): each row's index (``xi[None]``, ``xi[1:]``) and each cast
-made under vmap.
+outside ``f`` (``fs.value_and_grad``): ``vmap`` with each row's index (``xi[None]``, ``xi[1:]``)
+and casts made under it, ``jvp`` (alone and under ``vmap``) and ``grad``.
 
-Two faults found by trying it: an index of a batched row lost the row's varying axes (fshard read
-a functorch wrapper's mask only in the plain rule, not in indexing), so ``xi[None] @ w`` counted as
-invariant and the gradient of ``w`` was not summed over the ranks: each rank returned its own
-wrong gradient, silently. And a cast made under vmap of a parameter behind the gradient buckets
-raised "You tried to vmap over TwinTap". Each program is compared with plain torch on the global
-tensors in one process, on 1-, 2- and 3-axis meshes with the batch cut unevenly over every axis,
-with and without gradient buckets, and with ``check=False``.
+Three faults found by trying these together, each fixed:
+
+- an index of a ``vmap``'d row lost the row's varying axes (fshard read a functorch wrapper's mask
+  only in the plain rule, not in indexing), so ``xi[None] @ w`` counted as invariant and the
+  gradient of ``w`` was not summed over the ranks: each rank returned its own wrong gradient;
+- a cast made under ``vmap`` of a parameter behind the gradient buckets raised "You tried to vmap
+  over TwinTap";
+- under ``jvp`` the parameter is a dual whose own ``requires_grad`` is False, so it was not cast
+  where it met a varying row and the outer gradient was not summed either (silently).
+
+Each program is compared with plain torch on the global tensors in one process, on 1-, 2- and
+3-axis meshes with the batch cut unevenly over every axis, with and without gradient buckets, and
+with ``check=False``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ ROW_FNS = {
 
 
 def _rank(n: int):
+    import torch.func as tf
     from torch.func import vmap
 
     import fshard as fs
@@ -59,11 +66,47 @@ def _rank(n: int):
             close(errs, f"{name} {opts}: loss", got, want, DT)
             close(errs, f"{name} {opts}: grad", g, want_g, DT)
 
+    # forward mode inside f (alone, and per row under vmap), and grad inside f, under an outer grad
+    t = randn(2, D, H, dtype=DT)
+
+    def tangent(w, x):
+        return tf.jvp(lambda w: torch.tanh(x @ w), (w,), (t,))[1]
+
+    def rows_tangent(w, x):
+        return tf.vmap(lambda xi: tf.jvp(lambda w: torch.tanh(xi[None] @ w)[0], (w,), (t,))[1])(x)
+
+    def grad_norm(w, x):  # grad inside f of an invariant w is summed over the ranks (JAX's rule)
+        return tf.grad(lambda w: torch.tanh(x[:, None][:, 0] @ w).sum())(w)
+
+    cases = {  # name -> (loss inside f, the same loss of the global tensors)
+        "jvp inside": (
+            lambda w, x: fs.psum((tangent(w, x) ** 2).sum(), axes),
+            lambda w: (tangent(w, x) ** 2).sum(),
+        ),
+        "vmap(jvp) inside": (
+            lambda w, x: fs.psum((rows_tangent(w, x) ** 2).sum(), axes),
+            lambda w: (tangent(w, x) ** 2).sum(),
+        ),
+        "grad inside": (
+            lambda w, x: (grad_norm(w, x) ** 2).sum(),
+            lambda w: (torch.autograd.grad(torch.tanh(x @ w).sum(), w, create_graph=True)[0] ** 2).sum(),
+        ),
+    }
+    for name, (inside, ref) in cases.items():
+        wr = w.clone().requires_grad_(True)
+        want = ref(wr)
+        (want_g,) = torch.autograd.grad(want, wr)
+        for opts in ({}, {"bucket_mb": 0}, {"check": False}):
+            sm = fs.shard_map(inside, mesh=mesh, in_specs=("...", batch), out_specs="", **opts)
+            got, g = fs.value_and_grad(sm)(w, x)
+            close(errs, f"{name} {opts}: loss", got, want, DT)
+            close(errs, f"{name} {opts}: grad", g, want_g, DT)
+
     return errs
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_vmap_inside_f_keeps_the_rows_varying_axes(n):
+def test_transforms_inside_f_under_an_outer_gradient(n):
     assert_ok(run_ranks(n, _rank, n, timeout=110))
 
 
