@@ -44,6 +44,7 @@ in a call with uneven blocks, or across dtypes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import deque
 
@@ -170,6 +171,17 @@ def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
     return out
 
 
+def _issued_level():
+    """Where a bucket is launched and filled: outside any torch.func transform entered in ``f``
+    after its calls were queued (a result first used inside ``vmap``), at the level the calls were
+    issued at (queued calls are never made inside a transform: `deferrable`)."""
+    if not _functorch_active():
+        return contextlib.nullcontext()
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack()
+
+
 class Bucket:
     """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
 
@@ -190,6 +202,10 @@ class Bucket:
     def launch(self) -> None:
         """Start the bucket's calls as one coalesced collective (recording its autograd node);
         `wait` fills their results."""
+        with _issued_level():
+            self._launch()
+
+    def _launch(self) -> None:
         kind, _, tiled, invariant, _, _, grad = self.key
         xs = [x for x, _, _ in self.items]
         outs = [y for _, y, _ in self.items]
@@ -214,13 +230,17 @@ class Bucket:
         """Wait for the launched collective and fill the results (once)."""
         fill, self.fill = self.fill, None
         if fill is not None:
-            fill()
-            outs, early = self.outs, self.early
-            self.outs = self.early = None
-            if early is not None and outs and outs[0].requires_grad:
-                with torch.enable_grad(), untracked():  # recorded now: see `Arrived`
-                    for i, out in enumerate(outs):
-                        apply(Arrived, early, i, out)
+            with _issued_level():
+                self._fill(fill)
+
+    def _fill(self, fill) -> None:
+        fill()
+        outs, early = self.outs, self.early
+        self.outs = self.early = None
+        if early is not None and outs and outs[0].requires_grad:
+            with torch.enable_grad(), untracked():  # recorded now: see `Arrived`
+                for i, out in enumerate(outs):
+                    apply(Arrived, early, i, out)
 
 
 class Queue:

@@ -3,7 +3,7 @@ function captures (invariant, so implicitly cast where it meets a row), under a 
 outside ``f`` (``fs.value_and_grad``): ``vmap`` with each row's index (``xi[None]``, ``xi[1:]``)
 and casts made under it, ``jvp`` (alone and under ``vmap``) and ``grad``.
 
-Three faults found by trying these together, each fixed:
+Four faults found by trying these together, each fixed:
 
 - an index of a ``vmap``'d row lost the row's varying axes (fshard read a functorch wrapper's mask
   only in the plain rule, not in indexing), so ``xi[None] @ w`` counted as invariant and the
@@ -11,7 +11,9 @@ Three faults found by trying these together, each fixed:
 - a cast made under ``vmap`` of a parameter behind the gradient buckets raised "You tried to vmap
   over TwinTap";
 - under ``jvp`` the parameter is a dual whose own ``requires_grad`` is False, so it was not cast
-  where it met a varying row and the outer gradient was not summed either (silently).
+  where it met a varying row and the outer gradient was not summed either (silently);
+- per-leaf all_gathers combined into one collective and first used inside ``vmap`` raised "You
+  tried to vmap over Arrived" (the combined result was filled inside the transform).
 
 Each program is compared with plain torch on the global tensors in one process, on 1-, 2- and
 3-axis meshes with the batch cut unevenly over every axis, with and without gradient buckets, and
@@ -147,3 +149,45 @@ def _rank_debug(rows: int):
 @pytest.mark.parametrize("rows", [4, 5])
 def test_debug_accepts_uneven_blocks(rows):
     assert_ok(run_ranks(2, _rank_debug, rows))
+
+
+def _rank_combined_gathers():
+    """Per-leaf all_gathers issued before a vmap entered in f and first used inside it: combined
+    into one collective, filled outside the transform (filled inside it, the combined result's
+    autograd node raised "You tried to vmap over Arrived")."""
+    import torch.func as tf
+
+    import fshard as fs
+
+    errs: list[str] = []
+    mesh = fs.Mesh(dp=2)
+    w1, w2, x = randn(3, 4, 6, dtype=DT), randn(4, 6, 6, dtype=DT), randn(5, 8, 4, dtype=DT)  # even blocks
+
+    def loss(w1, w2, x):
+        g1, g2 = (fs.all_gather(w, "dp", dim=0, tiled=True) for w in (w1, w2))
+        rows = tf.vmap(lambda xi: torch.tanh(torch.tanh(xi[None] @ g1) @ g2)[0])(x)
+        return fs.psum((rows**2).sum(), "dp")
+
+    sm = fs.shard_map(loss, mesh=mesh, in_specs=("(dp d) h", "(dp h) k", "(dp b) d"), out_specs="")
+    with fs.count_collectives() as counts:
+        got, (g1, g2) = fs.value_and_grad(sm, argnums=(0, 1))(w1, w2, x)
+    a, b = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    want = (torch.tanh(torch.tanh(x @ a) @ b) ** 2).sum()
+    want1, want2 = torch.autograd.grad(want, (a, b))
+    close(errs, "loss", got, want, DT)
+    close(errs, "grad w1", fs.full(g1), want1, DT)
+    close(errs, "grad w2", fs.full(g2), want2, DT)
+    return errs, sorted(counts.combined)
+
+
+def test_combined_gathers_first_used_inside_vmap():
+    got = run_ranks(2, _rank_combined_gathers)
+    assert_ok([e for e, _ in got])
+    for _, combined in got:
+        # the two gathers went as one collective, and so did their reduce-scatters in the backward
+        # (the loss's psum: a bucket of its own)
+        assert combined == [
+            ("all_gather", ("dp",), 2),
+            ("all_reduce", ("dp",), 1),
+            ("reduce_scatter", ("dp",), 2),
+        ], combined
