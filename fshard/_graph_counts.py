@@ -182,7 +182,9 @@ class CountingPass(torch._inductor.custom_graph_pass.CustomGraphPass):
     def uuid(self) -> Any:
         user = self.user.uuid() if hasattr(self.user, "uuid") else repr(self.user)
         caps = None if self.caps is None else [getattr(c, "__qualname__", repr(c)) for c in self.caps]
-        return ("fshard.count_collectives", 2, caps, user)
+        # the mesh axes of each process group are written into the graph (its count): a graph from
+        # inductor's cache compiled where the same group had other axes must not be reused
+        return ("fshard.count_collectives", 3, caps, user, sorted(_axes().items()))
 
 
 def _bucket(graph: torch.fx.Graph, ar_mb, ag_mb, rs_mb) -> list:
