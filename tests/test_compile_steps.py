@@ -592,3 +592,26 @@ def _rank_same_sharded_params():
 
 def test_compiled_step_takes_the_same_sharded_parameters_without_recompiling():
     assert_ok(run_ranks(N, _rank_same_sharded_params, timeout=115))
+
+
+def test_counting_pass_cache_key_follows_the_axes_of_the_process_groups():
+    """The counting pass writes each collective's mesh axes (found from its process group's name)
+    into the compiled graph, so inductor's on-disk cache must not hand a graph compiled where the
+    group had other axes to this process: two compile tests failed on a machine whose cache held
+    graphs compiled where group "0" was tp, counting their dp collectives as tp."""
+    from fshard import _mesh
+    from fshard._graph_counts import CountingPass
+
+    saved = dict(_mesh.GROUP_AXES)
+    try:
+        _mesh.GROUP_AXES.clear()
+        _mesh.GROUP_AXES["0"] = ("dp",)
+        as_dp = CountingPass(None).uuid()
+        _mesh.GROUP_AXES["0"] = ("tp",)
+        as_tp = CountingPass(None).uuid()
+        _mesh.GROUP_AXES["0"] = ("dp",)
+        assert CountingPass(None).uuid() == as_dp  # the same axes: the same key (cache hits)
+    finally:
+        _mesh.GROUP_AXES.clear()
+        _mesh.GROUP_AXES.update(saved)
+    assert as_dp != as_tp
