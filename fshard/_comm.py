@@ -293,7 +293,22 @@ def _tag_check(tags: torch.Tensor | None, rec: tuple | None, g: AxisGroup) -> No
 def _name(g: AxisGroup) -> str:
     """The name of the group's ProcessGroup, by which the functional ops find it."""
     name = g.pg_name  # a plain string: torch.compile reads it as a constant
-    return name if name is not None else g.group.group_name  # type: ignore[attr-defined]
+    if name is None:
+        name = g.group.group_name  # type: ignore[attr-defined]
+    if _compiling():
+        _note_axes(name, g.names)
+    return name
+
+
+@torch._dynamo.assume_constant_result  # run at trace time, before inductor's passes read the table
+def _note_axes(name: str, names: tuple) -> bool:
+    """While tracing: the axes of the group a traced collective names, for the compiled graph's
+    count (`_graph_counts`). Meshes that share a process group (``Mesh(dp=2)`` and ``Mesh(tp=2)``
+    on two ranks) share its entry: the collective traced last names it."""
+    from ._mesh import GROUP_AXES
+
+    GROUP_AXES[name] = names
+    return True
 
 
 def _to_blocks_order(t: torch.Tensor, g: AxisGroup, inverse: bool) -> torch.Tensor:

@@ -615,3 +615,29 @@ def test_counting_pass_cache_key_follows_the_axes_of_the_process_groups():
         _mesh.GROUP_AXES.clear()
         _mesh.GROUP_AXES.update(saved)
     assert as_dp != as_tp
+
+
+def _rank_counts_name_the_traced_axes():
+    import fshard as fs
+
+    dp, tp = fs.Mesh(dp=2), fs.Mesh(tp=2)  # on 2 ranks both axes are the world: one process group
+    x = randn(0, 4, 3)
+    on_dp = fs.shard_map(lambda x: fs.psum(x.sum(0) * 2, "dp"), mesh=dp, in_specs="(dp b) d", out_specs="d")
+    on_tp = fs.shard_map(lambda x: fs.psum(x.sum(0) * 3, "tp"), mesh=tp, in_specs="(tp b) d", out_specs="d")
+    on_dp(x)
+    on_tp(x)  # the group's eager entry now names tp
+    step = fs.compile(lambda x: on_dp(x).sum())
+    with fs.count_collectives() as counts:
+        got = step(x)
+    errs: list[str] = []
+    close(errs, "value", got, (x * 2).sum())
+    return errs, [(kind, axes) for kind, axes, _ in counts.records]
+
+
+def test_compiled_counts_name_the_axes_of_the_traced_collective():
+    """The count of a compiled graph named a collective's axes from a process-group table that the
+    last mesh made over the same ranks had overwritten: a dp all-reduce counted as tp."""
+    got = run_ranks(2, _rank_counts_name_the_traced_axes)
+    assert_ok([e for e, _ in got])
+    for _, records in got:
+        assert records == [("all_reduce", ("dp",))], records
