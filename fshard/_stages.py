@@ -373,8 +373,9 @@ def debug_check_inputs(name: str, mesh: Mesh, args, leaves, plans, kind) -> None
 def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey, uneven: bool = False) -> None:
     """fs.debug's output check, with the trees inside PerRank outputs compared only between the
     ranks that share their index (they may differ from one index to the next). In a call with
-    ``uneven`` blocks the outputs' ranks (numbers of dims) are compared, not their sizes (the
-    stitching finds the global shapes, and raises the same error on every rank)."""
+    ``uneven`` blocks (inputs cut unevenly) the outputs' numbers of dims are compared, not their
+    sizes, which differ by design; the stitching finds the global shapes (a block torch.chunk's cut
+    does not make raises a SpecError on the rank that holds it)."""
     tops, treedef = optree.tree_flatten(out, is_leaf=_is_per_rank)
     per_rank = [x for x in tops if isinstance(x, PerRank)]
     if not per_rank:
