@@ -11,6 +11,9 @@ Contenders, built once and timed in interleaved rounds:
 
 * ``hand-written``: plain torch on the local rows, ``torch.autograd.grad``, one flat all-reduce of
   every gradient (what DDP does with one bucket), divided by the world size;
+* ``mode floor``: the hand-written step with an empty ``TorchFunctionMode`` (one that only calls
+  the op) around its forward: what any per-op tracking written in Python pays before it does
+  anything, so ``fshard - mode floor`` is the part of fshard's cost that its own rules make;
 * ``fshard outer``: ``fs.value_and_grad(fs.shard_map(loss))`` (the gradients reduced in buckets at
   the boundary);
 * ``fshard inner``: ``fs.shard_map(fs.value_and_grad(loss))`` (the whole step inside; each leaf's
@@ -21,8 +24,10 @@ With ``--compiled BACKEND`` also the hand-written step and ``fshard outer`` unde
 buckets the per-leaf gradient all-reduces (``aot_eager`` does not: one blocking all-reduce per
 leaf). Compiling takes minutes at a few hundred leaves on a small machine.
 
-Rank 0 prints each contender's median time per step and fshard's extra cost per leaf,
-``(fshard - hand-written) / n``, for every ``n``; the extra cost should be flat in ``n``.
+Rank 0 prints each contender's median time per step and its extra cost per leaf over the
+hand-written step, ``(fshard - hand-written) / n``, and over the mode floor, for every ``n``; the
+extra cost should be flat in ``n``. ``--cpu`` times the main thread's CPU (``time.thread_time``)
+instead of the wall clock: steadier when other processes share the cores.
 
     python -m benchmarks.per_leaf --world 2 --leaves 100 1000 3000
     python -m benchmarks.per_leaf --world 2 --leaves 100 --compiled inductor
@@ -31,17 +36,26 @@ Rank 0 prints each contender's median time per step and fshard's extra cost per 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 import fshard as fs
 
 
 def _loss_local(leaves, x):
     return sum(((x * w).sum(-1) ** 2).sum() for w in leaves)
+
+
+class _EmptyMode(TorchFunctionMode):
+    """Calls each op and nothing else: the floor of any per-op tracking written in Python."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 def _contenders(n: int, width: int, rows: int, backend: str | None = None) -> dict:
@@ -54,8 +68,12 @@ def _contenders(n: int, width: int, rows: int, backend: str | None = None) -> di
 
     hand = [w.clone().requires_grad_(True) for w in leaves]
 
-    def hand_step():
-        loss = _loss_local(hand, local_x) / total_rows
+    def hand_step(mode=None):
+        if mode is None:
+            loss = _loss_local(hand, local_x) / total_rows
+        else:
+            with mode():
+                loss = _loss_local(hand, local_x) / total_rows
         grads = torch.autograd.grad(loss, hand)
         flat = torch.cat([gr.reshape(-1) for gr in grads])
         loss = loss.detach().clone()
@@ -76,6 +94,7 @@ def _contenders(n: int, width: int, rows: int, backend: str | None = None) -> di
 
     out = {
         "hand-written": hand_step,
+        "mode floor": lambda: hand_step(_EmptyMode),
         "fshard outer": lambda: outer(params, x),
         "fshard inner": lambda: inner(params, x),
     }
@@ -96,7 +115,17 @@ def _check(steps: dict) -> None:
             torch.testing.assert_close(a, b, msg=name)
 
 
-def _rank(ns: list[int], width: int, rows: int, steps: int, rounds: int, backend: str | None = None) -> dict:
+def _rank(
+    ns: list[int],
+    width: int,
+    rows: int,
+    steps: int,
+    rounds: int,
+    backend: str | None = None,
+    cpu: bool = False,
+) -> dict:
+    clock = time.thread_time if cpu else time.perf_counter
+    gc.collect()
     out = {}
     for n in ns:
         torch._dynamo.reset()
@@ -116,11 +145,12 @@ def _rank(ns: list[int], width: int, rows: int, steps: int, rounds: int, backend
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = clock()
                 for _ in range(steps):
                     contenders[name]()
-                dist.barrier()
-                times[name].append((time.perf_counter() - t0) / steps)
+                if not cpu:
+                    dist.barrier()
+                times[name].append((clock() - t0) / steps)
         out[n] = (times, first)
     return out
 
@@ -138,17 +168,24 @@ def main() -> None:
         metavar="BACKEND",
         help="also time the hand-written step and fshard outer compiled with fs.compile (inductor, aot_eager)",
     )
+    ap.add_argument("--cpu", action="store_true", help="time the main thread's CPU instead of the wall clock")
     a = ap.parse_args()
-    args = (a.leaves, a.width, a.rows, a.steps, a.rounds, a.compiled)
+    args = (a.leaves, a.width, a.rows, a.steps, a.rounds, a.compiled, a.cpu)
     res = fs.launch(_rank, a.world, args, timeout=3600)
-    print(f"world {a.world}, leaves of {a.width} floats, {a.rows} rows per rank; median ms per step")
-    print(f"{'leaves':>6s} {'contender':14s} {'median ms':>10s} {'min ms':>8s} {'extra us/leaf':>14s}")
+    clock = "main-thread CPU" if a.cpu else "wall"
+    print(f"world {a.world}, leaves of {a.width} floats, {a.rows} rows per rank; {clock} ms per step, rank 0")
+    print(
+        f"{'leaves':>6s} {'contender':14s} {'median ms':>10s} {'min ms':>8s} {'extra us/leaf':>14s} "
+        f"{'over floor us/leaf':>19s}"
+    )
     for n, (times, first) in res[0].items():
         base = statistics.median(times["hand-written"])
+        floor = statistics.median(times["mode floor"])
         for name, ts in times.items():
             med = statistics.median(ts)
             extra = "" if name == "hand-written" else f"{1e6 * (med - base) / n:14.1f}"
-            print(f"{n:6d} {name:14s} {1e3 * med:10.2f} {1e3 * min(ts):8.2f} {extra}")
+            over = f"{1e6 * (med - floor) / n:19.1f}" if name.startswith("fshard") else ""
+            print(f"{n:6d} {name:14s} {1e3 * med:10.2f} {1e3 * min(ts):8.2f} {extra:>14s} {over}")
         if "outer compiled" in times:
             hc = statistics.median(times["hand compiled"])
             oc = statistics.median(times["outer compiled"])

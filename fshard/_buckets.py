@@ -47,7 +47,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from . import _comm, _inflight
 from . import _watchdog as _watch
 from ._comm import untracked
 from ._errors import CollectiveError
@@ -169,7 +169,7 @@ class BoundaryState:
         self.slot: dict = {}  # input index -> (bucket, position)
         self.next = 0  # the next bucket to launch: buckets go strictly in plan order
         self.extra: list = []  # gradients outside the plan (launched at the boundary, by index)
-        self.launched: list = []  # (work, flat, indices, shapes, record, tags, group), in launch order
+        self.launched: list = []  # (work, flat, indices, shapes, record, tags, group, flight), in launch order
         self.where = where  # (function name, key path of input i) for errors, or None
 
     def begin(self) -> None:
@@ -256,7 +256,7 @@ class BoundaryState:
         """Put input ``i``'s unreduced gradient ``ct`` in its planned bucket; launch, in plan order,
         every bucket that is now complete."""
         if not ct.numel():  # nothing to reduce
-            self.launched.append((None, ct.reshape(-1), [i], [ct.shape], None, None, g))
+            self.launched.append((None, ct.reshape(-1), [i], [ct.shape], None, None, g, None))
             return
         if self.plan is None:
             self.make_plan(lambda k: k == i or self.tap_present(k))
@@ -303,7 +303,8 @@ class BoundaryState:
                     tags = (mine, held)
                     flat[n:].copy_(torch.tensor(mine + held, dtype=dtype))
             work = dist.all_reduce(flat, group=g.group, async_op=True)  # type: ignore[arg-type]
-        self.launched.append((work, flat, idx, [c.shape for c in cts], rec, tags, g))
+        flight = _inflight.track(_comm._name(g), g, lambda: _comm.wait_work(work, rec))
+        self.launched.append((work, flat, idx, [c.shape for c in cts], rec, tags, g, flight))
 
     def finish(self, grads: list) -> None:
         """Launch the buckets still waiting (in plan order), wait for all, add the sums into ``grads``."""
@@ -315,7 +316,9 @@ class BoundaryState:
             self._reduce(g, [i], [ct], ("outside the plan", i))
         launched, self.launched, self.task, self.plan = self.launched, [], None, None
         self.extra = []
-        for work, flat, idx, shapes, rec, tags, g in launched:
+        for work, flat, idx, shapes, rec, tags, g, flight in launched:
+            if flight is not None:
+                flight.done()
             if work is not None:
                 _comm.wait_work(work, rec)  # marked as a wait in that collective (hang reports)
             if tags is not None:

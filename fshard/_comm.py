@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (the ops' fake kernels, for tracing)
 
+from . import _inflight
 from . import _watchdog as _watch
 from ._mesh import AxisGroup
 
@@ -175,6 +176,8 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None):
     if _compiling():  # a compiled graph shows the functional ops themselves
         _record_traced(kind, g, t)
         return _NO_SPAN
+    if g.size > 1:  # gloo: the collectives still in flight over the group first (see _inflight)
+        _inflight.drain(_name(g))
     _record(kind, g, t)
     _watch.begin(kind, g, t, salt, what)
     if not _profiling():
@@ -281,12 +284,18 @@ def _tag_start(t: torch.Tensor, g: AxisGroup) -> torch.Tensor | None:
         or not _real(g)
     ):
         return None
-    return _launch(_ALL_GATHER, torch.tensor([_watch.tag(rec)], dtype=torch.int64), g.size, _name(g))
+    tag = torch.tensor([_watch.tag(rec)], dtype=torch.int64)
+    if _inflight.serial(g):
+        return tag  # gloo: gathered after the data has arrived (one collective in flight, _inflight)
+    return _launch(_ALL_GATHER, tag, g.size, _name(g))
 
 
 def _tag_check(tags: torch.Tensor | None, rec: tuple | None, g: AxisGroup) -> None:
     """After the data of ``rec`` has arrived: raise on every rank of the group if the tags differ."""
     if tags is not None:
+        if tags.numel() == 1 and g.size > 1:  # not launched yet (gloo): now, after what is in flight
+            _inflight.drain(_name(g))
+            tags = _launch(_ALL_GATHER, tags, g.size, _name(g))
         _watch.check_gathered_tags(_wait(tags, rec).tolist(), rec, g, tags.device)  # type: ignore[arg-type]
 
 
@@ -499,9 +508,12 @@ def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:
             out = _launch(_ALL_GATHER, t.reshape(-1), g.size, _name(g))
             tags = _tag_start(t, g)
         rec = issued()
+        flight = _inflight.track(_name(g), g, lambda: _wait(out, rec))
 
         def finish():
             with untracked():
+                if flight is not None:
+                    flight.done()
                 blocks = _wait(out, rec)
                 _tag_check(tags, rec, g)
                 return _to_blocks_order(blocks.view(g.size, *t.shape), g, inverse=True)
@@ -521,9 +533,12 @@ def reduce_scatter_start(t: torch.Tensor, g: AxisGroup) -> Handle:
             tags = _tag_start(t, g)
         shape = t.shape[1:]
         rec = issued()
+        flight = _inflight.track(_name(g), g, lambda: _wait(out, rec))
 
         def finish():
             with untracked():
+                if flight is not None:
+                    flight.done()
                 block = _wait(out, rec)
                 _tag_check(tags, rec, g)
                 return block.view(shape)
@@ -580,9 +595,12 @@ def all_reduce_start_(t: torch.Tensor, g: AxisGroup) -> Handle:
                 t = buf
             with _below_autograd():
                 out = _ALL_REDUCE_(t, "sum", _name(g))
+        flight = _inflight.track(_name(g), g, lambda: _wait(out, rec))
 
         def finish():
             with untracked():
+                if flight is not None:
+                    flight.done()
                 with _below_autograd():
                     _watch.wait(_WAIT, rec, out)
                 if tags is not None:

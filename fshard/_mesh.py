@@ -35,7 +35,18 @@ class AxisGroup:
     up (or, for a combination of axes not made with the mesh, created) on first access.
     """
 
-    __slots__ = ("names", "size", "index", "order", "global_ranks", "_group", "_make", "pg_name", "real")
+    __slots__ = (
+        "names",
+        "size",
+        "index",
+        "order",
+        "global_ranks",
+        "_group",
+        "_make",
+        "pg_name",
+        "real",
+        "gloo",
+    )
 
     def __init__(
         self,
@@ -58,6 +69,7 @@ class AxisGroup:
         # (``_comm._real``). Kept here, not in a table keyed by the group: a module-level table
         # would keep the group, and its threads, alive past `_release_groups`.
         self.real: bool | None = None
+        self.gloo: bool | None = None  # a gloo group, once asked (``_inflight.serial``)
 
     @property
     def group(self) -> object | None:
