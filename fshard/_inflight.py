@@ -24,10 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 __all__: list[str] = []
 
+_compiling = torch.compiler.is_compiling
 _PENDING: dict[str, list[Flight]] = {}  # process-group name -> drains of collectives in flight
 
 
@@ -65,7 +67,7 @@ def serial(g) -> bool:
 def track(name: str, g, wait: Callable[[], object]) -> Flight | None:
     """Register ``wait`` as the drain of a collective just launched over `AxisGroup` ``g`` (process
     group ``name``) and left in flight; returns its `Flight` (None: not gloo, nothing to drain)."""
-    if not serial(g):
+    if _compiling() or not serial(g):  # (traced collectives: their order is the graph's)
         return None
     f = Flight(wait)
     _PENDING.setdefault(name, []).append(f)
