@@ -3,14 +3,19 @@
 torch's gloo backend corrupts the heap when an all-gather is waited for while another collective
 of the same group is in flight (SIGSEGV / SIGABRT, ``malloc(): unaligned fastbin chunk``; it ended
 ``fs.fsdp_scan`` steps on 4 ranks about once in 15 runs). fshard waits for the collectives still in
-flight over a gloo group before it issues the next one. Checked here, for every way fshard leaves
-a collective in flight (``async_op=True`` gathers, reduce-scatters and psums, combined per-leaf
-gathers, ``fs.fsdp_scan``'s prefetch, the gradient buckets), on 1-, 2- and 3-axis meshes:
+flight over a gloo group before it issues the next one. Checked here on 1-, 2- and 3-axis meshes
+(4 and 8 ranks), with two ``async_op=True`` all-gathers (float64, float32) and an ``async_op=True``
+psum_scatter left in flight around a psum, the first gather waited for first:
 
-- the functional collectives' registry of unwaited work never holds more than one entry per
-  group when the next collective is issued (two before the fix);
-- values and gradients against plain torch on the global tensors in one process, sync and async;
-- the collectives counted are those of the same program without async (nothing added).
+- torch's registry of unwaited functional collectives holds at most one (the newest) after each
+  launch ([2, 3] before the fix);
+- values and gradients against plain torch on the global tensors in one process;
+- the collectives counted are those of the same program without ``async_op``, and no drain is
+  left holding buffers after the call.
+
+The crash itself is too rare for a test (it needs hundreds of steps); ``tests/test_fsdp.py``,
+``tests/test_async.py`` and the combining tests run the other paths that leave collectives in
+flight (prefetch, combined buckets, gradient buckets) against one process.
 """
 
 from __future__ import annotations
