@@ -64,7 +64,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "[collectives page](tutorial/03-collectives.md#pipeline-stages-of-different-shapes) has a worked pipeline.",
         ["PerRank", "switch"],
     ),
-    ("Autodiff", "", ["value_and_grad", "grad", "no_sync", "remat", "fsdp_scan"]),
+    ("Autodiff", "", ["value_and_grad", "grad", "no_sync", "remat", "fsdp_scan", "reshard_after_forward"]),
     ("Modules", "", ["sync_buffers", "check_buffers"]),
     ("Counting collectives", "", ["count_collectives", "CollectiveCounts"]),
     (

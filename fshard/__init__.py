@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time, names load on f
     from ._mesh import Mesh
     from ._modules import check_buffers, sync_buffers
     from ._remat import remat
+    from ._reshard import reshard_after_forward
     from ._shard_map import shard_map
     from ._sharded import Sharded, from_dtensor, full, reduce_to, shard
     from ._spec import Spec, parse_spec
@@ -104,6 +105,7 @@ _LAZY = {
     "check_buffers": "_modules",
     "sync_buffers": "_modules",
     "remat": "_remat",
+    "reshard_after_forward": "_reshard",
     "shard_map": "_shard_map",
     "Sharded": "_sharded",
     "from_dtensor": "_sharded",
@@ -173,6 +175,7 @@ __all__ = [
     "no_sync",
     "remat",
     "fsdp_scan",
+    "reshard_after_forward",
     "count_collectives",
     "CollectiveCounts",
     # compiling

@@ -37,7 +37,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import _combine, _comm, _scalars, _vma
+from . import _combine, _comm, _reshard, _scalars, _vma
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
 from ._layout import chunk_sizes
@@ -473,16 +473,25 @@ def all_gather(
             )
         handle = _comm.all_gather_start(gather_operand(cast(torch.Tensor, x), dim, tiled), g)
 
+        again = _reshard.active()
+
         def done():
             y = _vma.tag(_apply(AllGatherDone, x, g, dim, tiled, handle), tr, v | bits)
             y._fshard_gathered = g.names
+            if again:
+                _reshard.gather_again(y, x, AllGather, g, dim, tiled)
             return y
 
         return Pending(done)
     if invariant:
-        return _vma.tag(_apply(AllGatherInvariant, x, g, dim, tiled), tr, v & ~bits)
+        y = _vma.tag(_apply(AllGatherInvariant, x, g, dim, tiled), tr, v & ~bits)
+        if _reshard.active():
+            _reshard.gather_again(y, x, AllGatherInvariant, g, dim, tiled)
+        return y
     y = _vma.tag(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
     y._fshard_gathered = g.names  # the replication check suggests invariant=True for it
+    if _reshard.active():
+        _reshard.gather_again(y, x, AllGather, g, dim, tiled)
     return y
 
 
@@ -519,6 +528,8 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
         else:
             sub = tuple(dims[i] for i in idx)
             ys = _apply(AllGatherCoalesced, g, sub, tiled, invariant, *[xs[i] for i in idx])
+        if _reshard.active():
+            _reshard.gather_again_many(ys, [xs[i] for i in idx], g, [dims[i] for i in idx], tiled, invariant)
         for i, y in zip(idx, ys):
             out[i] = y
     for y, v in zip(out, vs):

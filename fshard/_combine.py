@@ -50,7 +50,7 @@ from collections import deque
 
 import torch
 
-from . import _comm, _vma
+from . import _comm, _reshard, _vma
 from . import _watchdog as _watch
 from ._comm import untracked
 from ._primitives import Pvary, ReduceScatterCoalesced, _owned, _untracked, apply, local_block, split_blocks
@@ -123,7 +123,7 @@ def psum_later(x, axis, tr):
             return None
         out = empty(x.shape, x)
         g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
-        key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled())
+        key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled(), False)
         nbytes = out.numel() * out.element_size()
     finally:
         release(tr, held)
@@ -159,11 +159,18 @@ def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
             x.dtype,
             x.device,
             torch.is_grad_enabled(),
+            _reshard.active() and x.requires_grad,  # gathered again in the backward
         )
         nbytes = out.numel() * out.element_size()
     finally:
         release(tr, held)
     push(tr, key, g, x, out, dim, nbytes)
+    if key[-1]:
+        b = tr.queue.buckets[key]
+        if b.gathers is None:
+            b.gathers = _reshard.Gathers(_reshard.Many(g, [], tiled, invariant, contiguous=True))
+        b.gathers.run.dims.append(dim)
+        _reshard.note(out, b.gathers, b.gathers.add(x))
     if invariant:
         return _vma.tag(out, tr, v & ~bits)
     _vma.tag(out, tr, v | bits)
@@ -185,7 +192,7 @@ def _issued_level():
 class Bucket:
     """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
 
-    __slots__ = ("key", "g", "items", "nbytes", "site", "launched", "fill", "ids", "outs", "early")
+    __slots__ = ("key", "g", "items", "nbytes", "site", "launched", "fill", "ids", "outs", "early", "gathers")
 
     def __init__(self, key, g, site):
         self.key = key
@@ -198,6 +205,7 @@ class Bucket:
         self.ids: list = []  # the ids of the results (while in a `Flight`)
         self.outs: list | None = None  # the results, launched and not yet filled
         self.early: Early | None = None  # their gradients' reduce-scatter, run early (all_gather)
+        self.gathers: _reshard.Gathers | None = None  # fs.reshard_after_forward: gathered again
 
     def launch(self) -> None:
         """Start the bucket's calls as one coalesced collective (recording its autograd node);
@@ -206,7 +214,7 @@ class Bucket:
             self._launch()
 
     def _launch(self) -> None:
-        kind, _, tiled, invariant, _, _, grad = self.key
+        kind, _, tiled, invariant, _, _, grad, _ = self.key
         xs = [x for x, _, _ in self.items]
         outs = [y for _, y, _ in self.items]
         dims = tuple(d for _, _, d in self.items)
