@@ -446,6 +446,10 @@ for _bench, _native in GPT_NATIVE.items():
         CONTENDERS[_bench]["fshard_leaf_nocombine"] = _F + "gpt_fshard_leaf_nocombine"
         CONTENDERS[_bench]["fshard_leaf_sync"] = _F + "gpt_fshard_leaf_sync"
         CONTENDERS[_bench]["fshard_tree"] = _F + "gpt_fshard_tree"
+        CONTENDERS[_bench]["fshard_leaf_reshard"] = _F + "gpt_fshard_leaf_reshard"
+        CONTENDERS[_bench]["fshard_tree_reshard"] = _F + "gpt_fshard_tree_reshard"
+        CONTENDERS[_bench]["fshard_layer"] = _F + "gpt_fshard_layer"
+        CONTENDERS[_bench]["fshard_layer_reshard"] = _F + "gpt_fshard_layer_reshard"
 
 
 class Unavailable(Exception):

@@ -251,11 +251,34 @@ def _gpt_setup(ctx: Ctx):
     return su, mesh, specs, fsdp_dims(specs), flat
 
 
-def gpt_loss(ctx: Ctx, bucket_mb: float | None = None, gather=None):
+def _per_layer_loss(p, tokens, cfg, dims):
+    """The demo's ``loss_fn`` with each block's parameters gathered (one ``fs.all_gather`` per leaf)
+    just before the block runs, in a plain loop: per-block FSDP written the JAX way."""
+    import torch.nn.functional as F
+
+    from fshard_demo.model import block
+
+    top = _gather_per_leaf(
+        {k: v for k, v in p.items() if k != "blocks"}, {k: v for k, v in dims.items() if k != "blocks"}
+    )
+    n_ans = cfg.digits + 1
+    t = tokens[:, :-1]
+    x = top["wte"][t] + top["wpe"][: t.shape[1]]
+    for blk, d in zip(p["blocks"], dims["blocks"]):
+        x = block(_gather_per_leaf(blk, d), x, cfg)
+    x = F.layer_norm(x, (cfg.d_model,), top["lnf_w"], top["lnf_b"])
+    logits = (x @ top["w_out"])[:, -n_ans:]
+    local = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, -n_ans:].reshape(-1))
+    return fs.pmean(local, "dp")
+
+
+def gpt_loss(ctx: Ctx, bucket_mb: float | None = None, gather=None, reshard: bool = False):
     """The layout's loss as ``f = fs.shard_map(loss_fn)``: ``(f, params, tokens, flat)``, called as
     ``f(params, tokens)``; ``flat`` maps every demo name to its ``Sharded`` parameter (whose local
     tensor collects ``.grad``). ``gather(params, dims)``: FSDP without ``fs.fsdp_scan`` (the split
-    parameters gathered at the top of the step, then the demo's plain forward)."""
+    parameters gathered at the top of the step, then the demo's plain forward); ``reshard``: the body
+    under ``fs.reshard_after_forward`` (gathered parameters freed after the forward, gathered again
+    in the backward)."""
     from fshard_demo.model import loss_fn
 
     from . import gpt
@@ -265,8 +288,14 @@ def gpt_loss(ctx: Ctx, bucket_mb: float | None = None, gather=None):
     kw = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
     if gather is None:
         body = lambda p, t: loss_fn(p, t, cfg, dims)  # noqa: E731
+    elif gather == "per_layer":
+        body = lambda p, t: _per_layer_loss(p, t, cfg, dims)  # noqa: E731
+        if reshard:
+            body = fs.reshard_after_forward()(body)
     else:
         body = lambda p, t: loss_fn(gather(p, dims), t, cfg)  # noqa: E731
+        if reshard:
+            body = fs.reshard_after_forward()(body)
     f = fs.shard_map(body, mesh=mesh, in_specs=(specs, "(dp b) t"), out_specs="", **kw)
     return f, gpt.to_tree(flat, cfg), su.tokens, flat
 
@@ -342,10 +371,10 @@ def gpt_fshard_vg(ctx: Ctx) -> Prepared:
     return Prepared(step, values)
 
 
-def _gpt_gathered(ctx: Ctx, gather) -> Prepared:
+def _gpt_gathered(ctx: Ctx, gather, reshard: bool = False) -> Prepared:
     """FSDP written without ``fs.fsdp_scan``: ``gather(params, dims)`` all-gathers the split parameters
     at the top of the step, then the demo's plain forward; ``loss.backward()``."""
-    f, params, tokens, flat = gpt_loss(ctx, gather=gather)
+    f, params, tokens, flat = gpt_loss(ctx, gather=gather, reshard=reshard)
     locals_ = [p.local for p in flat.values()]
     opt = ctx.make_optimizer(locals_)
 
@@ -409,3 +438,28 @@ def gpt_fshard_tree(ctx: Ctx) -> Prepared:
     from fshard_demo.model import unshard
 
     return _gpt_gathered(ctx, unshard)
+
+
+def gpt_fshard_leaf_reshard(ctx: Ctx) -> Prepared:
+    """``fshard_leaf`` under ``fs.reshard_after_forward``: the gathered parameters freed after the
+    forward and gathered again in the backward, as FSDP2's ``reshard_after_forward=True``."""
+    return _gpt_gathered(ctx, _gather_per_leaf, reshard=True)
+
+
+def gpt_fshard_tree_reshard(ctx: Ctx) -> Prepared:
+    """``fshard_tree`` under ``fs.reshard_after_forward``."""
+    from fshard_demo.model import unshard
+
+    return _gpt_gathered(ctx, unshard, reshard=True)
+
+
+def gpt_fshard_layer(ctx: Ctx) -> Prepared:
+    """Per-block FSDP written the JAX way: each block's leaves gathered one at a time (combined)
+    right before the block, in a plain loop; autograd keeps the gathered blocks for the backward."""
+    return _gpt_gathered(ctx, "per_layer")
+
+
+def gpt_fshard_layer_reshard(ctx: Ctx) -> Prepared:
+    """``fshard_layer`` under ``fs.reshard_after_forward``: each block's gathered parameters freed
+    after its forward and gathered again in the backward (FSDP2 per block's pattern)."""
+    return _gpt_gathered(ctx, "per_layer", reshard=True)

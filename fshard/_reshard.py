@@ -34,10 +34,21 @@ import contextlib
 
 import torch
 
-from . import _vma
+from . import _comm, _vma
 from ._comm import untracked
 from ._errors import ArgumentError
-from ._primitives import AllGather, AllGatherCoalesced, AllGatherInvariant, _gather_many, apply, gather_dim
+from ._primitives import (
+    AllGather,
+    AllGatherCoalesced,
+    AllGatherInvariant,
+    _arrange,
+    apply,
+    gather_operand,
+    unpack_gathered,
+)
+from ._primitives import (
+    _pack as _flat,
+)
 
 __all__ = [
     "reshard_after_forward",
@@ -81,20 +92,33 @@ class reshard_after_forward(contextlib.ContextDecorator):
 
     def __enter__(self):
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-            self._hooks = None
-            return self
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-        self._hooks.__enter__()
-        _scopes.append(self)
+            scope = None
+        else:
+            scope = _Scope()
+            scope.hooks.__enter__()
+            _scopes.append(scope)
+        self.__dict__.setdefault("_entered", []).append(scope)  # (re-entrant, as a decorator)
         return self
 
     def __exit__(self, *exc):
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            _scopes.remove(self)
-            hooks.__exit__(*exc)
+        scope = self._entered.pop()
+        if scope is not None:
+            _scopes.remove(scope)
+            scope.last = None
+            scope.hooks.__exit__(*exc)
             _forget_casts()
         return False
+
+
+class _Scope:
+    """One entry of `reshard_after_forward`: its hooks, and the last gather made in it (the
+    backward gathers again in the reverse order: each one starts the one before it)."""
+
+    __slots__ = ("hooks", "last")
+
+    def __init__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        self.last: Gathers | None = None
 
 
 def _forget_casts() -> None:
@@ -118,10 +142,13 @@ def _entry(t):
 class Gathers:
     """The results of one gather (a call, or a combined bucket) that can be gathered again.
 
-    ``run(xs, grad)`` returns the results from the operands ``xs``, with the same layouts as in
-    the forward; ``grad``: differentiably (double backward)."""
+    ``run`` (`Single`, `Many`) makes the results from the operands ``xs`` with the same layouts
+    as in the forward: ``run.start(xs)`` launches the all-gather, ``run.finish(handle, xs)`` waits
+    and unpacks; ``run.grad(xs)`` differentiably (double backward). The backward gathers the
+    last bucket of the forward first; when one is gathered, the one made before it is started
+    (``prev``), so that it is on the wire while the backward computes, as FSDP2 prefetches."""
 
-    __slots__ = ("run", "xs", "versions", "saved", "left", "cache")
+    __slots__ = ("run", "xs", "versions", "saved", "left", "cache", "handle", "prev", "spent")
 
     def __init__(self, run):
         self.run = run
@@ -130,6 +157,12 @@ class Gathers:
         self.saved = 0  # placeholders left in the graph
         self.left = 0  # of them, not yet unpacked in this backward
         self.cache: list | None = None
+        self.handle = None  # its all-gather in the backward, when started ahead (prefetched)
+        self.spent = False  # gathered again and used up in this backward (not to be started ahead)
+        scope = _scopes[-1] if _scopes else None
+        self.prev: Gathers | None = scope.last if scope is not None else None
+        if scope is not None:
+            scope.last = self
 
     def add(self, x: torch.Tensor) -> int:
         """Take one more operand; returns its result's index."""
@@ -138,8 +171,7 @@ class Gathers:
             self.versions.append(x._version)
         return len(self.xs) - 1
 
-    def results(self) -> list:
-        """The results, gathered again (once per backward; freed after the last placeholder)."""
+    def _check(self) -> None:
         for x, v in zip(self.xs, self.versions):
             if x._version != v:
                 raise ArgumentError(
@@ -148,15 +180,43 @@ class Gathers:
                     f"the backward, which gathers it again; update parameters after the backward, or "
                     f"gather outside fs.reshard_after_forward to keep the gathered copy"
                 )
+
+    def _start(self):
+        with torch.no_grad():
+            return self.run.start(self.xs)
+
+    def results(self) -> list:
+        """The results, gathered again (once per backward; freed after the last placeholder)."""
         if torch.is_grad_enabled():  # create_graph: differentiable, not cached
-            return self.run(self.xs, True)
+            self._check()
+            if self.handle is not None:  # started ahead: waited for and dropped
+                self.handle, handle = None, self.handle
+                handle.wait()
+            return self.run.grad(self.xs)
         if self.cache is None:
-            self.cache = self.run(self.xs, False)
+            handle, self.handle = self.handle, None
+            if handle is None:
+                self._check()
+                handle = self._start()
+            self.spent = False
+            prev = self.prev  # (a bucket used up already, e.g. the head's, used first: not again)
+            if (
+                prev is not None
+                and prev.saved
+                and prev.cache is None
+                and prev.handle is None
+                and not prev.spent
+            ):
+                prev._check()
+                prev.handle = prev._start()
+            with torch.no_grad():
+                self.cache = self.run.finish(handle, self.xs)
             self.left = self.saved
         got = self.cache
         self.left -= 1
         if self.left <= 0:
             self.cache = None
+            self.spent = True
         return got
 
 
@@ -178,16 +238,20 @@ class Single:
     def __init__(self, cls, g, dim, tiled):
         self.cls, self.g, self.dim, self.tiled = cls, g, dim, tiled
 
-    def __call__(self, xs, grad: bool) -> list:
-        if grad:
-            return [apply(self.cls, xs[0], self.g, self.dim, self.tiled)]
-        with torch.no_grad():
-            return [gather_dim(xs[0], self.g, self.dim, self.tiled)]
+    def start(self, xs):
+        return _comm.all_gather_start(gather_operand(xs[0], self.dim, self.tiled), self.g)
+
+    def finish(self, handle, xs) -> list:
+        return [_arrange(handle.wait(), xs[0].shape, self.g.size, self.dim, self.tiled)]
+
+    def grad(self, xs) -> list:
+        return [apply(self.cls, xs[0], self.g, self.dim, self.tiled)]
 
 
 class Many:
-    """The results of a coalesced all_gather, or of a combined bucket (``contiguous``: its
-    results were made contiguous), gathered again with one all-gather."""
+    """The results of a coalesced all_gather, or of a combined bucket of per-leaf calls
+    (``contiguous``: its results were made contiguous, and `fs.count_collectives` counts its
+    calls), gathered again with one all-gather."""
 
     __slots__ = ("g", "dims", "tiled", "invariant", "contiguous")
 
@@ -195,13 +259,18 @@ class Many:
         self.g, self.dims, self.tiled, self.invariant = g, dims, tiled, invariant
         self.contiguous = contiguous
 
-    def __call__(self, xs, grad: bool) -> list:
-        dims = tuple(self.dims)
-        if grad:
-            ys = apply(AllGatherCoalesced, self.g, dims, self.tiled, self.invariant, *xs)
-        else:
-            with torch.no_grad():
-                ys = _gather_many(xs, self.g, dims, self.tiled)
+    def start(self, xs):
+        handle = _comm.all_gather_start(_flat(xs), self.g)
+        if self.contiguous:  # a combined bucket: the collective carries its calls again
+            _comm.record_combined("all_gather", self.g, len(xs))
+        return handle
+
+    def finish(self, handle, xs) -> list:
+        ys = unpack_gathered(handle.wait(), [x.shape for x in xs], self.dims, self.tiled)
+        return [y.contiguous() for y in ys] if self.contiguous else ys
+
+    def grad(self, xs) -> list:
+        ys = apply(AllGatherCoalesced, self.g, tuple(self.dims), self.tiled, self.invariant, *xs)
         return [y.contiguous() for y in ys] if self.contiguous else list(ys)
 
 

@@ -113,7 +113,7 @@ def _gather(p, form):
     return optree.tree_map(lambda t: fs.all_gather(t, "dp", dim=0, tiled=True), p)
 
 
-def _loss_fn(mesh, form, scope, refs, seen):
+def _loss_fn(mesh, form, scope, refs, seen, probe=True):
     axes = tuple(mesh.axis_names)
 
     def f(p, x):
@@ -121,7 +121,9 @@ def _loss_fn(mesh, form, scope, refs, seen):
             w = _gather(p, form)
             for k, t in w.items():
                 refs[k] = weakref.ref(t)
-            loss = _Probe.apply(_model(w, x), refs, seen)
+            loss = _model(w, x)
+            if probe:
+                loss = _Probe.apply(loss, refs, seen)
         return fs.psum(loss, axes)
 
     return f
@@ -251,3 +253,39 @@ def test_reshard_after_forward_refuses_a_shard_changed_before_the_backward():
         "gathered copy"
     )
     assert got == [want, want]
+
+
+def _rank_transformed(X):
+    """Under torch.func.grad (which refuses saved-tensor hooks) the scope keeps the results: the
+    same gradients as one process, no extra all-gather."""
+    mesh = fs.Mesh(dp=2)
+    f = fs.shard_map(
+        _loss_fn(mesh, "leaf", True, {}, [], probe=False),
+        mesh=mesh,
+        in_specs=("(dp r) ...", "(dp b) d"),
+        out_specs="",
+    )
+    params = _params()
+    with fs.count_collectives() as counts:
+        grads = torch.func.grad(lambda p: f(p, X))(params)
+    _, want, _ = _reference(X, False, False)
+    errs: list = []
+    for k in LEAVES:
+        close(errs, f"grad {k}", grads[k], want[k], torch.float64 if k.startswith("s") else torch.float32)
+    got = counts.by_kind()[("all_gather", ("dp",))]
+    plain = fs.shard_map(
+        _loss_fn(mesh, "leaf", False, {}, [], probe=False),
+        mesh=mesh,
+        in_specs=("(dp r) ...", "(dp b) d"),
+        out_specs="",
+    )
+    with fs.count_collectives() as counts:
+        torch.func.grad(lambda p: plain(p, X))(params)
+    if got != counts.by_kind()[("all_gather", ("dp",))]:
+        errs.append(f"{got} all-gathers with the scope, {counts.by_kind()} without")
+    return errs
+
+
+def test_reshard_after_forward_under_torch_func_keeps_the_results():
+    X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    assert_ok(run_ranks(2, _rank_transformed, X))
