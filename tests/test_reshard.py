@@ -289,3 +289,30 @@ def _rank_transformed(X):
 def test_reshard_after_forward_under_torch_func_keeps_the_results():
     X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     assert_ok(run_ranks(2, _rank_transformed, X))
+
+
+def _rank_compiled(X):
+    """Under fs.compile the scope is traced as a no-op (the compiled backward keeps or recomputes
+    what its partitioner decides): the same values and gradients as one process, one graph."""
+    mesh = fs.Mesh(dp=2)
+    f = fs.shard_map(
+        _loss_fn(mesh, "leaf", True, {}, [], probe=False),
+        mesh=mesh,
+        in_specs=("(dp r) ...", "(dp b) d"),
+        out_specs="",
+    )
+    step = fs.compile(fs.value_and_grad(f), backend="aot_eager")
+    params = _params()
+    errs: list = []
+    want_loss, want, _ = _reference(X, False, False)
+    for _ in range(2):  # the second call reuses the graph
+        loss, grads = step(params, X)
+        close(errs, "loss", loss, want_loss, torch.float64)
+        for k in LEAVES:
+            close(errs, f"grad {k}", grads[k], want[k], torch.float64 if k.startswith("s") else torch.float32)
+    return errs
+
+
+def test_reshard_after_forward_compiled_matches_one_process():
+    X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    assert_ok(run_ranks(2, _rank_compiled, X, timeout=110))
