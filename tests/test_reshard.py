@@ -119,8 +119,9 @@ def _loss_fn(mesh, form, scope, refs, seen, probe=True):
     def f(p, x):
         with fs.reshard_after_forward() if scope else contextlib.nullcontext():
             w = _gather(p, form)
-            for k, t in w.items():
-                refs[k] = weakref.ref(t)
+            if refs is not None:  # (not while compiling: Dynamo would trace the weak references)
+                for k, t in w.items():
+                    refs[k] = weakref.ref(t)
             loss = _model(w, x)
             if probe:
                 loss = _Probe.apply(loss, refs, seen)
@@ -296,7 +297,7 @@ def _rank_compiled(X):
     what its partitioner decides): the same values and gradients as one process, one graph."""
     mesh = fs.Mesh(dp=2)
     f = fs.shard_map(
-        _loss_fn(mesh, "leaf", True, {}, [], probe=False),
+        _loss_fn(mesh, "leaf", True, None, [], probe=False),
         mesh=mesh,
         in_specs=("(dp r) ...", "(dp b) d"),
         out_specs="",
