@@ -24,7 +24,10 @@ first of each key at most 1 MiB, as DDP's, so that a reduction starts early even
 model fits in one bucket; inputs whose tap will not run in this backward
 (``torch._C._will_engine_execute_node``) are left out. (Buckets filled in ready order would be
 summed misaligned when Python code on per-rank values orders the uses differently on each rank.)
-When backward reaches the boundary (once every use is done), it launches the buckets still
+When every gradient fits in one bucket per key (at most 1 MiB in all), no taps are made: such a
+bucket could only launch when its last gradient is in, which is when the backward reaches the
+boundary, and the taps (a Python autograd node per input, made and run every step) would only
+cost. When backward reaches the boundary (once every use is done), it launches the buckets still
 waiting (zeros for a gradient that never came on this rank), waits for all of them and adds the
 sums into the gradients. The buckets of one backward are kept per call, with the id of the
 backward (autograd graph task): a backward abandoned by an exception leaves nothing that the next
@@ -164,6 +167,9 @@ class BoundaryState:
         # the backward of each device on its own thread (the buckets' order is fixed, but a thread
         # would wait on another's bucket).
         self.early = len({x.device for x in xs}) == 1
+        if self.early:  # one bucket per key at most: it could not launch before the boundary anyway
+            total = sum(x.numel() * (reduce_dtype or x.dtype).itemsize for x in xs)
+            self.early = total > min(self.bucket_bytes, FIRST_BUCKET_BYTES)
         self.task: int | None = None  # the backward (autograd graph task) the buckets below belong to
         self.plan: list | None = None  # buckets: [key, indices, gradients, missing, bytes, cap, position]
         self.slot: dict = {}  # input index -> (bucket, position)
@@ -542,6 +548,10 @@ def wrap(
         # The twin f's uses see is made on first use (_vma._twin_of derives it from the hidden
         # one): a TwinTap, created just before the first use so that its backward runs as soon
         # as the twin's gradient is complete (and never for an input used invariantly only).
+        # Without early launches (every gradient fits in one bucket per key) the twin itself.
         tr.twins[id(twin)] = [twin, twin, k, state, None]
-        tr.twins[id(vis)] = [vis, None, k, state, (twin, _tap, (state, k, twin), None)]
+        if state.early:
+            tr.twins[id(vis)] = [vis, None, k, state, (twin, _tap, (state, k, twin), None)]
+        else:
+            tr.twins[id(vis)] = [vis, twin, k, state, None]
     return out

@@ -285,3 +285,47 @@ def test_function_of_an_input_and_another_differentiable_tensor():
 
 def _randn_like(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _taps(t) -> int:
+    """The TwinTap nodes in the autograd graph behind ``t``."""
+    seen, todo, n = set(), [t.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        n += type(node).__name__ == "TwinTapBackward"
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return n
+
+
+def _rank_taps(X, bucket_mb):
+    mesh = fs.Mesh(dp=4)
+    params = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
+
+    def f(p, x):
+        return fs.pmean(_mlp(p, x, 0.0)[0], "dp")
+
+    step = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) d"), out_specs="", bucket_mb=bucket_mb)
+    loss = step(params, X)
+    taps = _taps(loss)
+    with fs.count_collectives() as bwd:
+        loss.backward()
+    return taps, bwd.by_kind()[("all_reduce", ("dp",))], loss.detach(), [p.grad for p in params.values()]
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.0002])
+def test_taps_only_where_a_bucket_can_launch_early(bucket_mb):
+    """All six gradients (1.3 KB) fit in one bucket at the default size: no tap is made (it could
+    not launch before the boundary); with 200-byte buckets each parameter gets a tap, and the
+    buckets launch during the backward. The values are the one process's either way."""
+    X = torch.randn(16, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want_loss, want = _reference(X, 0.0)
+    for taps, reduces, loss, grads in run_ranks(4, _rank_taps, X, bucket_mb):
+        assert taps == (0 if bucket_mb == 25.0 else len(SIZES))
+        # 200-byte buckets: one per parameter (in reverse order, each neighbour pair passes 200 bytes)
+        assert reduces == (1 if bucket_mb == 25.0 else len(SIZES))
+        torch.testing.assert_close(loss, want_loss)
+        for g, k in zip(grads, want):
+            torch.testing.assert_close(g, want[k])
