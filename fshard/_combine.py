@@ -53,7 +53,16 @@ import torch
 from . import _comm, _reshard, _vma
 from . import _watchdog as _watch
 from ._comm import untracked
-from ._primitives import Pvary, ReduceScatterCoalesced, _owned, _untracked, apply, local_block, split_blocks
+from ._primitives import (
+    Pvary,
+    ReduceScatter,
+    ReduceScatterCoalesced,
+    _owned,
+    _untracked,
+    apply,
+    local_block,
+    split_blocks,
+)
 
 __all__ = [
     "enabled",
@@ -121,8 +130,8 @@ def psum_later(x, axis, tr):
         v = _vma.get(x, tr)
         if not bits & v or bits & ~v:  # invariant over some of the axes: a product, run at once
             return None
-        out = empty(x.shape, x)
         g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
+        out = empty(x.shape, x, _PsumT(g))
         key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled(), False)
         nbytes = out.numel() * out.element_size()
     finally:
@@ -150,7 +159,7 @@ def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
             shape[dim] *= g.size
         else:
             shape.insert(dim, g.size)
-        out = empty(shape, x)
+        out = empty(shape, x, _GatherT(g, dim, tiled, invariant))
         key = (
             "all_gather",
             g.names,
@@ -390,10 +399,64 @@ def push(tr, key, g, x: torch.Tensor, out: torch.Tensor, dim: int, nbytes: int) 
     q.outs.add(id(out))
 
 
-def empty(shape, like: torch.Tensor) -> torch.Tensor:
-    """A result to be filled by a flush (a leaf that needs no gradient until then)."""
+def empty(shape, like: torch.Tensor, transpose) -> torch.Tensor:
+    """A result to be filled by a flush. When gradients are recorded and ``like`` (the operand)
+    needs one, an `Unfilled` whose history is ``transpose`` (the call's own, from the result's
+    gradient to the operand's); else a new tensor that needs none."""
     with untracked():
+        if torch.is_grad_enabled() and like.requires_grad:
+            return apply(Unfilled, like, shape, transpose)
         return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+class Unfilled(torch.autograd.Function):
+    """A queued call's result before its bucket runs: a new tensor whose history is the call's own
+    transpose. A torch op that takes it fills it first (`VmaMode`), and the fill gives it the
+    bucket's history (mark_dirty), which leaves this node unused. But ``Function.apply`` is no torch
+    op (fshard does not see it): an autograd.Function applied to the result before the fill keeps
+    this node as its input's history, and its gradient then reaches the operand here (before, the
+    result was a leaf that needed no gradient, and that gradient was dropped without a word)."""
+
+    @staticmethod
+    @_untracked
+    def forward(x, shape, transpose):
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.transpose = inputs[2]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    @_untracked
+    def backward(ctx, ct):
+        return (None if ct is None else ctx.transpose(ct)), None, None
+
+
+class _PsumT:
+    """The transpose of a psum of a value varying over all of ``g``: pvary (no communication)."""
+
+    __slots__ = ("g",)
+
+    def __init__(self, g):
+        self.g = g
+
+    def __call__(self, ct):
+        return apply(Pvary, ct, self.g) if torch.is_grad_enabled() else ct
+
+
+class _GatherT:
+    """The transpose of one all_gather: a reduce-scatter, or this rank's block (``invariant``)."""
+
+    __slots__ = ("g", "dim", "tiled", "invariant")
+
+    def __init__(self, g, dim, tiled, invariant):
+        self.g, self.dim, self.tiled, self.invariant = g, dim, tiled, invariant
+
+    def __call__(self, ct):
+        if self.invariant:
+            return local_block(ct, self.g, self.dim, self.tiled)
+        return apply(ReduceScatter, ct, self.g, self.dim, self.tiled)
 
 
 # -- the coalesced Functions that fill results given in advance -------------------------------

@@ -431,3 +431,65 @@ def test_forward_mode_ad_is_never_combined():
     W = [torch.randn(4, 3, generator=g), torch.randn(6, 2, generator=g)]
     T = [torch.randn(4, 3, generator=g), torch.randn(6, 2, generator=g)]
     assert_ok(run_ranks(2, _rank_forward_ad, W, T))
+
+
+# == an autograd.Function applied to a queued result =========================================
+
+
+class _Scale(torch.autograd.Function):
+    """``3 * x``, written as users write a custom Function: fshard does not see ``apply``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, ct):
+        return ct * 3
+
+
+def _rank_function_on_queued(sizes: dict, X, W):
+    """The result of a queued psum and of queued all_gathers (varying and invariant) goes straight
+    into a custom autograd.Function: the gradient must reach the operands, as with combining off.
+    (Before the fix the Function kept the unfilled result's empty history and the gradient through
+    it was dropped: a wrong gradient, no error.)"""
+    mesh = fs.Mesh(**sizes)
+    axes = tuple(mesh.axis_names)
+    out = {}
+    for combine in ("1", "0"):
+        with _env(FSHARD_COMBINE=combine):
+
+            def f(w, x):
+                full = _Scale.apply(fs.all_gather(w, "dp", dim=0, tiled=True))  # [8, 4]
+                same = _Scale.apply(fs.all_gather(w, "dp", dim=0, tiled=True, invariant=True))
+                h = torch.tanh(x @ full.T) + torch.tanh(x @ same.T)
+                s = _Scale.apply(fs.psum(h.sum(), axes))
+                extra = fs.all_gather(w, "dp", dim=0, tiled=True, invariant=True)  # used by torch ops
+                return s + (extra * extra).sum()
+
+            w = W.clone().requires_grad_(True)
+            loss = fs.shard_map(f, mesh=mesh, in_specs=("(dp r) c", f"({' '.join(axes)} b) c"), out_specs="")(
+                w, X
+            )
+            loss.backward()
+            out[combine] = (loss.detach(), w.grad)
+    # one process: the same math on the global tensors (the psum makes the loss the global sum)
+    wr = W.clone().requires_grad_(True)
+    h = torch.tanh(X @ (3 * wr).T) + torch.tanh(X @ (3 * wr).T)
+    ref = 3 * h.sum() + (wr * wr).sum()
+    ref.backward()
+    errs: list = []
+    for combine, (loss, grad) in out.items():
+        close(errs, f"combine={combine} loss", loss, ref.detach())
+        close(errs, f"combine={combine} grad", grad, wr.grad)
+    return errs
+
+
+@pytest.mark.parametrize("sizes", [{"dp": 2}, {"dp": 2, "tp": 2}], ids=["1axis", "2axes"])
+def test_custom_function_on_a_queued_result_gets_its_gradient(sizes):
+    n = 1
+    for s in sizes.values():
+        n *= s
+    X = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
+    W = torch.randn(8, 4, generator=torch.Generator().manual_seed(4), dtype=torch.float64).float() * 0.3
+    assert_ok(run_ranks(n, _rank_function_on_queued, sizes, X, W))
