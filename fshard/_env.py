@@ -15,6 +15,7 @@ Nothing here imports torch at module level: the launcher process never needs it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import json
 import os
@@ -181,11 +182,18 @@ def write_error_file(path: str, exc: BaseException, tb: Any, *, secondary: bool 
             },
         }
     }
+    # Written whole or not at all (a new file moved into place): torchrun's agent reads the file of
+    # a rank that ended, and a rank stopped halfway through the write (the agent's own SIGTERM, once
+    # another rank died) left it empty, on which the agent itself failed (JSONDecodeError) instead
+    # of restarting the ranks.
+    tmp = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as fh:
+        with open(tmp, "w") as fh:
             json.dump(data, fh)
+        os.replace(tmp, path)
     except OSError:  # diagnostics only
-        pass
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 class Recorded(NamedTuple):

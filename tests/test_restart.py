@@ -145,3 +145,35 @@ def test_max_restarts_must_not_be_negative(tmp_path):
     code, out, _, left = run_bounded([*launcher("fshard", 2, -1), str(script)], 60)
     assert code == 2 and not left
     assert out.strip().splitlines()[-1] == "python -m fshard.run: error: --max-restarts must be >= 0"
+
+
+def test_an_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """torchrun's agent reads the error file of a rank that ended; one left empty by a rank stopped
+    halfway through writing it made the agent itself fail (JSONDecodeError) instead of restarting
+    the ranks (seen once in the torchrun restart test). The file is now written aside and moved
+    into place: a write cut short leaves the previous state (here: no file), never a partial one."""
+    import json
+
+    from fshard import _env
+
+    path = str(tmp_path / "error.json")
+    err = RuntimeError("boom " * 5000)  # a message longer than one write buffer
+
+    real_dump = json.dump
+
+    def cut_short(obj, fh):
+        fh.write('{"message": {"mess')  # part of the JSON, then the process "dies"
+        fh.flush()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_env.json, "dump", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        _env.write_error_file(path, err, None)
+    assert not os.path.exists(path)
+
+    monkeypatch.setattr(_env.json, "dump", real_dump)
+    _env.write_error_file(path, err, None)
+    with open(path) as fh:
+        assert json.load(fh)["message"]["message"].startswith("RuntimeError: boom")
+    assert _env.read_error_file(path).message.startswith("RuntimeError: boom")
+    assert os.listdir(tmp_path) == ["error.json"]  # the next write took the cut-short one's place
