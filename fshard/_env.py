@@ -189,7 +189,7 @@ def write_error_file(path: str, exc: BaseException, tb: Any, *, secondary: bool 
     tmp = f"{path}.{os.getpid()}.partial"
     try:
         with open(tmp, "w") as fh:
-            json.dump(data, fh)
+            json.dump(data, fh, default=str)  # (a value JSON cannot hold is written as its text)
         os.replace(tmp, path)
     except OSError:  # diagnostics only
         with contextlib.suppress(OSError):

@@ -161,7 +161,7 @@ def test_an_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
     real_dump = json.dump
 
-    def cut_short(obj, fh):
+    def cut_short(obj, fh, **kw):
         fh.write('{"message": {"mess')  # part of the JSON, then the process "dies"
         fh.flush()
         raise KeyboardInterrupt
