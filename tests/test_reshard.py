@@ -317,3 +317,50 @@ def _rank_compiled(X):
 def test_reshard_after_forward_compiled_matches_one_process():
     X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     assert_ok(run_ranks(2, _rank_compiled, X, timeout=110))
+
+
+def _rank_with_others(X, W):
+    """The scope with fs.remat around each layer, with fs.fsdp_scan (which frees per layer itself),
+    and across fs.no_sync micro-batches: the one process's gradients every time."""
+    mesh = fs.Mesh(dp=2)
+    specs = [{"w": "(dp d) f"}] * len(W)
+
+    def block(p, h):
+        return torch.tanh(h @ p["w"])
+
+    errs: list = []
+    wr = [{"w": w.clone().requires_grad_(True)} for w in W]
+    h = X
+    for p in wr:
+        h = block(p, h)
+    h.pow(2).mean().backward()
+    for mode in ("remat", "fsdp_scan", "no_sync"):
+        params = [{"w": fs.shard(w, mesh, "(dp d) f").requires_grad_()} for w in W]
+
+        @fs.shard_map(mesh=mesh, in_specs=(specs, "(dp b) d"), out_specs="")
+        def loss_fn(ps, x, mode=mode):
+            with fs.reshard_after_forward():
+                h = x
+                if mode == "fsdp_scan":
+                    h = fs.fsdp_scan(block, ps, h, "dp", dims=specs)
+                else:
+                    for p in ps:
+                        full = optree.tree_map(lambda t: fs.all_gather(t, "dp", dim=0, tiled=True), p)
+                        h = fs.remat(block)(full, h) if mode == "remat" else block(full, h)
+                return fs.pmean(h.pow(2).mean(), "dp")
+
+        if mode == "no_sync":  # two micro-batches of the same data: twice the gradient
+            with fs.no_sync():
+                loss_fn(params, X).backward()
+        loss_fn(params, X).backward()
+        n = 2 if mode == "no_sync" else 1
+        for i, (p, r) in enumerate(zip(params, wr)):
+            close(errs, f"{mode} grad {i}", p["w"].grad.full() / n, r["w"].grad)
+    return errs
+
+
+def test_reshard_after_forward_with_remat_fsdp_scan_and_no_sync():
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(8, 4, generator=g)
+    W = [torch.randn(4, 4, generator=g) * 0.5 for _ in range(3)]
+    assert_ok(run_ranks(2, _rank_with_others, X, W))
