@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import re
 import signal
@@ -79,6 +80,10 @@ def run_bounded(cmd: list[str], timeout: float) -> tuple[int | None, str, float,
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         code = None
+    except BaseException:  # a test's own timeout, Ctrl-C: leave no launcher behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     seconds = time.monotonic() - t0
     left = _session_alive(proc.pid)
     if left:

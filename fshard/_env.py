@@ -373,6 +373,10 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
     one. A rank that finishes normally waits for the others to finish (up to 30 s, or half of
     ``timeout`` if that is shorter) before tearing the process group down.
 
+    Under a launcher (torchrun, ``python -m fshard.run``), a rank whose launcher dies (killed
+    with ``SIGKILL``, say) exits within half a second with code 1, saying so on stderr, instead
+    of waiting, orphaned, in a collective until its timeout.
+
     Args:
         backend: ``"nccl"``, ``"gloo"``, ... Defaults to ``"nccl"`` when CUDA is available (the
             process is then bound to GPU ``LOCAL_RANK`` with ``torch.cuda.set_device``), else
@@ -439,6 +443,7 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "nccl" in backend and "LOCAL_RANK" not in present:
         local_rank = rank % max(1, torch.cuda.device_count())
+    _watch_launcher()
     store = attempt_store(world_size)
     if store is None:
         init_process_group(backend, local_rank=local_rank, timeout=timeout)
@@ -452,6 +457,38 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
     _exit.barrier_timeout = min(EXIT_BARRIER_TIMEOUT, timeout / 2) if timeout else EXIT_BARRIER_TIMEOUT
     _install_failure_hook()
     atexit.register(_shutdown_at_exit)
+
+
+def _watch_launcher() -> None:
+    """End this rank when the launcher that started it dies.
+
+    torchrun starts every rank in a session of its own, so a torchrun agent that is killed
+    (``SIGKILL``, the out-of-memory killer) takes none of them along: they would wait, orphaned,
+    in a rendezvous or a collective until its timeout, holding their devices and ports against
+    the next attempt. Under a launcher (``TORCHELASTIC_RUN_ID`` set: torchrun, ``python -m
+    fshard.run``, whose ranks the kernel also kills with the launcher) a daemon thread checks
+    twice a second that the parent process is still the one that started this rank, and ends
+    the rank with exit code 1, saying why on stderr, once it is not. Ranks started otherwise (by
+    hand, by a scheduler) are left alone: a parent shell may exit while its ranks go on.
+    """
+    if _exit.watching or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    _exit.watching = True
+    parent = os.getppid()
+    rank = os.environ.get("RANK", "?")
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                sys.stderr.write(
+                    f"fshard: rank {rank}: its launcher (process {parent}) has exited; ending this rank, "
+                    f"which would otherwise wait in its collectives until they time out\n"
+                )
+                sys.stderr.flush()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fshard-launcher-watch", daemon=True).start()
 
 
 def _check_hang_report(seconds: Any) -> float | None:
@@ -481,6 +518,7 @@ class _ExitState:
     code = 1
     barrier_timeout = EXIT_BARRIER_TIMEOUT
     hooked = False
+    watching = False  # the launcher watch runs (see `_watch_launcher`)
     linger = 0.0  # seconds to wait before exiting after a failure (see `_on_uncaught`)
 
 

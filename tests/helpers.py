@@ -11,7 +11,9 @@ mismatch of every rank at once.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
 from collections import Counter
 
@@ -23,6 +25,7 @@ __all__ = [
     "check_counts",
     "close",
     "compile_counter",
+    "env_vars",
     "expected_counts",
     "full",
     "gelu_mlp",
@@ -35,6 +38,25 @@ __all__ = [
 
 # (rtol, atol) per dtype name
 TOL = {"float32": (1e-5, 1e-6), "float64": (1e-10, 1e-12)}
+
+
+# == environment ===========================================================================
+
+
+@contextlib.contextmanager
+def env_vars(**kv):
+    """Set environment variables (fshard's ``FSHARD_*`` switches) for a block, in this rank's
+    process, and put back what was there before (also when the block raises)."""
+    old = {k: os.environ.get(k) for k in kv}
+    os.environ.update({k: str(v) for k, v in kv.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # == tensors and comparisons ================================================================

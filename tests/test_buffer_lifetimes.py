@@ -13,7 +13,6 @@ reduce-scatters (backward), and a flight abandoned by an exception before its re
 from __future__ import annotations
 
 import gc
-import os
 import time
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 import fshard as fs
 from tests.conftest import run_ranks
-from tests.helpers import assert_ok, close
+from tests.helpers import assert_ok, close, env_vars
 
 SENTINEL = 7.0e6
 DELAY = 0.3  # seconds rank 1 arrives late at each collective
@@ -115,9 +114,7 @@ def _rank_combined_operands_dropped(blocks):
     errs: list = []
     numels = sorted({b.numel() // 2 for b in blocks} | {b.numel() for b in blocks})
     ws = [b.clone().requires_grad_(True) for b in blocks]
-    before = {k: os.environ.get(k) for k in ("FSHARD_COMBINE_MB", "FSHARD_COMBINE_AHEAD")}
-    os.environ.update(FSHARD_COMBINE_MB=str(1 / 2**20), FSHARD_COMBINE_AHEAD="2")  # one bucket per leaf
-    try:
+    with env_vars(FSHARD_COMBINE_MB=1 / 2**20, FSHARD_COMBINE_AHEAD=2):  # one bucket per leaf
         try:
             _combined_step(ws, numels, abandon=True)
             errs.append("the abandoned step did not raise")
@@ -128,12 +125,6 @@ def _rank_combined_operands_dropped(blocks):
         _churn(numels)  # the abandoned flight's buffers: still owned by the collectives, if running
         outs = _combined_step(ws, numels, abandon=False)
         sum(o * (i + 1) for i, o in enumerate(outs)).backward()
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     for i, (o, b, w) in enumerate(zip(outs, blocks, ws)):
         close(errs, f"value {i}", o, 2 * (2.0 * b).sin().sum())
         close(errs, f"grad {i}", w.grad, 2 * (i + 1) * 2.0 * (2.0 * b).cos())

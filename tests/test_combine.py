@@ -9,8 +9,6 @@ and uneven blocks; the collectives on the wire are counted (N calls -> the bucke
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 
 import optree
@@ -19,7 +17,7 @@ import torch
 
 import fshard as fs
 from tests.conftest import run_ranks
-from tests.helpers import assert_ok, close
+from tests.helpers import assert_ok, close, env_vars
 
 # name -> (shape, dtype); dim 0 is split over dp (even: 4 over 2 ranks); the float64 leaves last
 LEAVES = {
@@ -61,20 +59,6 @@ def _reference(X):
     return loss.detach(), {k: p.detach() for k, p in parts.items()}, dict(zip(w, grads))
 
 
-@contextlib.contextmanager
-def _env(**kv):
-    old = {k: os.environ.get(k) for k in kv}
-    os.environ.update({k: str(v) for k, v in kv.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _step(mesh, form):
     axes = tuple(mesh.axis_names)
 
@@ -100,7 +84,7 @@ def _rank_forms(sizes: dict, X):
     errs: list = []
     counts = {}
     for form, combine in (("leaf", "1"), ("tree", "1"), ("leaf", "0")):
-        with _env(FSHARD_COMBINE=combine):
+        with env_vars(FSHARD_COMBINE=combine):
             step = _step(mesh, form)
             params = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
             with fs.count_collectives() as fwd:
@@ -302,7 +286,7 @@ def _rank_cases(X):
     def capped(a, b, c):
         return tuple(fs.all_gather(t, "dp", tiled=True) for t in (a, b, c, a, b))
 
-    with _env(FSHARD_COMBINE_MB=96 / 2**20):
+    with env_vars(FSHARD_COMBINE_MB=96 / 2**20):
         outs, grads, fwd, bwd = _gathered(mesh, capped, "(dp r) c", (V,) * 5, A, B, C)
     close(errs, "capped: value", outs[4], _summed(B))
     close(errs, "capped: grad a", grads[0], torch.full_like(A, 10.0))  # outputs 1 and 4, x 2
@@ -313,13 +297,13 @@ def _rank_cases(X):
     def capped_tree(a, b, c):
         return tuple(fs.all_gather([a, b, c, a, b], "dp", tiled=True))
 
-    with _env(FSHARD_COMBINE_MB=96 / 2**20):
+    with env_vars(FSHARD_COMBINE_MB=96 / 2**20):
         outs, grads, fwd, bwd = _gathered(mesh, capped_tree, "(dp r) c", (V,) * 5, A, B, C)
     close(errs, "capped tree: value", outs[4], _summed(B))
     close(errs, "capped tree: grad a", grads[0], torch.full_like(A, 10.0))
     if _buckets(fwd) != [2, 2, 1] or _buckets(bwd, "reduce_scatter") != [1, 2, 2]:
         errs.append(f"capped tree: {fwd.combined} then {bwd.combined}, want buckets of 2, 2, 1 calls")
-    with _env(FSHARD_COMBINE="0"):  # one all_gather of the five leaves, one reduce_scatter back
+    with env_vars(FSHARD_COMBINE="0"):  # one all_gather of the five leaves, one reduce_scatter back
         outs, grads, fwd, bwd = _gathered(mesh, capped_tree, "(dp r) c", (V,) * 5, A, B, C)
     close(errs, "tree, combining off: grad a", grads[0], torch.full_like(A, 10.0))
     if _kinds(fwd) != {AG: 1} or _kinds(bwd, "reduce_scatter") != {("reduce_scatter", ("dp",)): 1}:
@@ -354,7 +338,7 @@ def _rank_cases(X):
         return tuple(fs.psum(t, "dp") for t in (a, b, c))
 
     for combine, want_ar in (("1", 1), ("0", 3)):
-        with _env(FSHARD_COMBINE=combine), torch.no_grad():
+        with env_vars(FSHARD_COMBINE=combine), torch.no_grad():
             step = fs.shard_map(sums, mesh=mesh, in_specs="(dp r) c", out_specs="r c")
             with fs.count_collectives() as fwd:
                 outs = step(A, B, C)
@@ -457,7 +441,7 @@ def _rank_function_on_queued(sizes: dict, X, W):
     axes = tuple(mesh.axis_names)
     out = {}
     for combine in ("1", "0"):
-        with _env(FSHARD_COMBINE=combine):
+        with env_vars(FSHARD_COMBINE=combine):
 
             def f(w, x):
                 full = _Scale.apply(fs.all_gather(w, "dp", dim=0, tiled=True))  # [8, 4]

@@ -18,8 +18,8 @@ import torch
 
 import fshard as fs
 from tests.conftest import run_ranks
-from tests.helpers import assert_ok, close
-from tests.test_combine import LEAVES, _env, _params, _reference, _step
+from tests.helpers import assert_ok, close, env_vars
+from tests.test_combine import LEAVES, _params, _reference, _step
 
 AG = ("all_gather", ("dp",))
 
@@ -49,7 +49,7 @@ def _rank_in_flight(X):
     step = fs.shard_map(f, mesh=mesh, in_specs="(dp r) c", out_specs="...")
     from fshard import _comm
 
-    with _env(FSHARD_COMBINE_MB=1 / 2**20):
+    with env_vars(FSHARD_COMBINE_MB=1 / 2**20):
         _comm._recorders.append(counts)
         try:
             outs = step(*ws)
@@ -81,7 +81,7 @@ def _rank_many_buckets(sizes: dict, X):
     n = len(LEAVES)
     for form in ("leaf", "tree"):
         for ahead in (0, 1, 2, 100):
-            with _env(FSHARD_COMBINE_MB=1 / 2**20, FSHARD_COMBINE_AHEAD=ahead):
+            with env_vars(FSHARD_COMBINE_MB=1 / 2**20, FSHARD_COMBINE_AHEAD=ahead):
                 params = {k: v.clone().requires_grad_(True) for k, v in _params().items()}
                 with fs.count_collectives() as fwd:
                     loss, parts = _step(mesh, form)(params, X)
@@ -124,7 +124,7 @@ def _rank_opposite_orders(X):
     ws = [w.double() if i % 3 == 0 else w for i, w in enumerate(ws)]
     step = fs.shard_map(f, mesh=mesh, in_specs="(dp r) c", out_specs="...")
     t0 = time.monotonic()
-    with _env(FSHARD_COMBINE_MB=1 / 2**20):
+    with env_vars(FSHARD_COMBINE_MB=1 / 2**20):
         outs = step(ws)
     if time.monotonic() - t0 > 30:
         errs.append(f"took {time.monotonic() - t0:.1f} s")
@@ -168,7 +168,7 @@ def _rank_backward_early(X, W):
         for w in ws:
             w.grad = None
         seen.clear()
-        with _env(FSHARD_COMBINE_MB=1 / 2**20, FSHARD_COMBINE_AHEAD=ahead):
+        with env_vars(FSHARD_COMBINE_MB=1 / 2**20, FSHARD_COMBINE_AHEAD=ahead):
             _comm._recorders.append(counts)
             try:
                 counts.records.clear()

@@ -1,6 +1,7 @@
 """Every failure ends within a bounded, configurable time (real gloo ranks, wall-clock bounds).
 
 * a rank that raises under ``python -m fshard.run`` (or torchrun) exits at once and is named;
+* ranks whose torchrun agent is killed end at once instead of waiting, orphaned, in a collective;
 * every process group fshard creates gets the configured timeout, on meshes of several axes too;
 * ``fs.launch(timeout=...)`` is not cut short by a shorter in-rank backstop;
 * sizes and indices of axis tuples need no group, and multi-axis groups are made with the mesh;
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -93,6 +95,76 @@ def test_torchrun_raising_rank_exits_at_once(tmp_path):
     assert ended - _failed_at(out.stderr) < BOUND
     # The rank recorded its exception in torchrun's error file: torchrun's report quotes it.
     assert "error_file:" in out.stderr and "ValueError: deliberate failure on rank 1" in out.stderr
+
+
+ORPHAN_SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist
+import fshard as fs
+
+fs.init()
+rank = dist.get_rank()
+with open(os.path.join(sys.argv[1], f"pid{rank}.part"), "w") as fh:
+    fh.write(str(os.getpid()))
+os.replace(os.path.join(sys.argv[1], f"pid{rank}.part"), os.path.join(sys.argv[1], f"pid{rank}"))
+if rank == 0:
+    dist.all_reduce(torch.ones(1))  # waits for rank 1, which never joins
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_of_a_killed_torchrun_agent_end_at_once_and_say_why(tmp_path):
+    # torchrun starts each rank in a session of its own: killing the agent with SIGKILL takes none
+    # of them along. fs.init's launcher watch ends them (before, they waited, orphaned, in the
+    # all_reduce until the 30-minute timeout, holding their ports against the next attempt).
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(tmp_path)],
+        env=_clean_env(),
+        cwd=str(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"pid{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and agent.poll() is None, "the ranks did not start"
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+        time.sleep(1.0)  # rank 0 is in its all_reduce, rank 1 asleep
+        assert all(_running(pid) for pid in pids)
+        agent.kill()
+        killed = time.monotonic()
+        while any(_running(pid) for pid in pids) and time.monotonic() - killed < BOUND:
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+        assert not any(_running(pid) for pid in pids), "the orphaned ranks still run"
+        assert took < 5.0, took  # the watch looks twice a second
+        out = agent.communicate(timeout=30)[0].decode()  # the ranks held the pipe: it closed with them
+    finally:
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
+    lines = sorted(line for line in out.splitlines() if "its launcher" in line)
+    assert lines == [
+        f"fshard: rank {r}: its launcher (process {agent.pid}) has exited; ending this rank, which would "
+        "otherwise wait in its collectives until they time out"
+        for r in (0, 1)
+    ], out
 
 
 def test_a_rank_leaving_with_sys_exit_mid_collective_is_named_within_the_timeout(tmp_path):

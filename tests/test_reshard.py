@@ -16,7 +16,6 @@ gather (combined per-leaf calls, the pytree call, calls one at a time with ``FSH
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 
 import optree
@@ -25,7 +24,7 @@ import torch
 
 import fshard as fs
 from tests.conftest import run_ranks
-from tests.helpers import assert_ok, close
+from tests.helpers import assert_ok, close, env_vars
 
 # name -> (rows, cols, dtype); dim 0 is split over dp
 LEAVES = {
@@ -90,20 +89,6 @@ class _Probe(torch.autograd.Function):
         return ct, None, None
 
 
-@contextlib.contextmanager
-def _env(**kv):
-    old = {k: os.environ.get(k) for k in kv}
-    os.environ.update({k: str(v) for k, v in kv.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _gather(p, form):
     if form == "tree":
         return fs.all_gather(p, "dp", dim=0, tiled=True)
@@ -138,7 +123,7 @@ def _case(mesh, X, form, combine, where, check, scope, second, uneven):
     f = _loss_fn(mesh, form, scope, refs, seen)
     specs = ("(dp r) ...", f"({' '.join(axes)} b) d")
     params = {k: v.clone().requires_grad_(True) for k, v in _params(uneven).items()}
-    with _env(FSHARD_COMBINE=combine):
+    with env_vars(FSHARD_COMBINE=combine):
         if where == "inner":  # the backward inside the call: gradients come out as blocks
             step = fs.shard_map(
                 fs.value_and_grad(f), mesh=mesh, in_specs=specs, out_specs=("", "(dp r) ..."), check=check
