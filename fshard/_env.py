@@ -475,20 +475,28 @@ def _watch_launcher() -> None:
         return
     _exit.watching = True
     parent = os.getppid()
-    rank = os.environ.get("RANK", "?")
+    watch_parent(
+        parent,
+        f"fshard: rank {os.environ.get('RANK', '?')}: its launcher (process {parent}) has exited; ending this "
+        f"rank, which would otherwise wait in its collectives until they time out",
+        code=1,
+    )
+
+
+def watch_parent(parent: int, message: str | None, code: int) -> None:
+    """Start a daemon thread that ends this process with ``code`` (printing ``message`` on stderr
+    first, if any) once its parent is no longer process ``parent``; it looks twice a second."""
 
     def watch() -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent:
-                sys.stderr.write(
-                    f"fshard: rank {rank}: its launcher (process {parent}) has exited; ending this rank, "
-                    f"which would otherwise wait in its collectives until they time out\n"
-                )
-                sys.stderr.flush()
-                os._exit(1)
+                if message is not None:
+                    sys.stderr.write(message + "\n")
+                    sys.stderr.flush()
+                os._exit(code)
 
-    threading.Thread(target=watch, name="fshard-launcher-watch", daemon=True).start()
+    threading.Thread(target=watch, name="fshard-parent-watch", daemon=True).start()
 
 
 def _check_hang_report(seconds: Any) -> float | None:

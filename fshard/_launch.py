@@ -29,7 +29,6 @@ import pickle
 import shutil
 import signal
 import tempfile
-import threading
 import time
 import traceback
 import weakref
@@ -49,6 +48,7 @@ from ._env import (
     is_comm_error,
     release_groups,
     torchrun_env,
+    watch_parent,
 )
 from ._errors import FshardError, RankError
 
@@ -74,13 +74,6 @@ def _truncate(text: str, limit: int = _MAX_TEXT) -> str:
 _stack_file = None  # kept alive: faulthandler writes into it
 
 
-def _watch_parent(ppid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != ppid:
-            os._exit(70)
-
-
 def _error_message(exc: BaseException) -> tuple:
     summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
     return ("err", summary, traceback.format_exc(), is_comm_error(exc))
@@ -104,7 +97,7 @@ def _run_job(data: bytes) -> bytes:
 def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
     """Body of one pool rank: init the process group, then run jobs until told to stop."""
     global _stack_file
-    threading.Thread(target=_watch_parent, args=(cfg["ppid"],), daemon=True, name="fshard-ppid").start()
+    watch_parent(cfg["ppid"], None, code=70)  # the pool's owner is gone: end without a word
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
     try:
         _stack_file = open(os.path.join(cfg["stack_dir"], f"rank{rank}.txt"), "w")  # noqa: SIM115
