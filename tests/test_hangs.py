@@ -1,7 +1,7 @@
 """Every failure ends within a bounded, configurable time (real gloo ranks, wall-clock bounds).
 
 * a rank that raises under ``python -m fshard.run`` (or torchrun) exits at once and is named;
-* ranks whose torchrun agent is killed end at once instead of waiting, orphaned, in a collective;
+* ranks whose launcher is killed (torchrun, ``python -m fshard.run``) end at once, not orphaned in a collective;
 * every process group fshard creates gets the configured timeout, on meshes of several axes too;
 * ``fs.launch(timeout=...)`` is not cut short by a shorter in-rank backstop;
 * sizes and indices of axis tuples need no group, and multi-axis groups are made with the mesh;
@@ -163,12 +163,7 @@ def test_ranks_of_a_killed_launcher_end_at_once(tmp_path, launcher):
                 os.kill(pid, signal.SIGKILL)
         if agent.poll() is None:
             agent.kill()
-    lines = sorted(
-        line.removeprefix(f"[rank{r}]: ")
-        for r in (0, 1)
-        for line in out.splitlines()
-        if "its launcher" in line and f"rank {r}:" in line
-    )
+    lines = sorted(line for line in out.splitlines() if "its launcher" in line)
     said = [
         f"fshard: rank {r}: its launcher (process {agent.pid}) has exited; ending this rank, which would "
         "otherwise wait in its collectives until they time out"
