@@ -16,7 +16,7 @@ import math
 import optree
 import torch
 
-from . import _buckets, _comm, _compile, _debug, _mesh, _spec, _stages, _static, _vma
+from . import _buckets, _comm, _compile, _debug, _mesh, _shapes, _spec, _stages, _static, _vma
 from ._buckets import DEFAULT_BUCKET_MB
 from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
 from ._layout import Layout, bind
@@ -284,6 +284,7 @@ class _ShardMapped(_static.Fixed):
             # bucketed gradient reductions and compute_dtype casts for the inputs (_buckets.wrap)
             casts = (self._compute_dtype, self._reduce_dtype, lambda i: plans[i].path)  # (+ key paths)
             local = _buckets.wrap(local, masks, tr, self._all_bits, tr.bucket_mb, *casts)
+        _shapes.set_inputs(leaves, plans, local, tr)  # uneven blocks: their shapes at every position
         local_args = optree.tree_unflatten(
             self._per_rank.get(treedef, treedef) if self._per_rank else treedef, local
         )
@@ -500,7 +501,7 @@ class _ShardMapped(_static.Fixed):
         for x, p in zip(leaves, plans):
             if p.kind is OutKind.PASS:
                 continue
-            extra = _vma.get(x, tr) & ~p.allowed
+            extra = (_vma.get(x, tr) | _vma.taint_of(x, tr)) & ~p.allowed
             if extra:
                 axes = mesh.names_of(extra)
                 ax = ", ".join(axes)
@@ -523,7 +524,7 @@ class _ShardMapped(_static.Fixed):
                     f"out_spec, or pass check=False if you know it is the same on every rank"
                 )
         if problems:
-            msg = _report(self.name, "out_specs", problems, kind="replication check")
+            msg = _report(self.name, "out_specs", problems, kind="replication check") + _vma.taint_note(tr)
             drew = _vma.global_draw(tr)
             if drew is not None:
                 msg += (
@@ -793,8 +794,5 @@ def _indent(text: str) -> str:
 
 
 def _report(name: str, what: str, problems: list[str], kind: str | None = None) -> str:
-    n = len(problems)
-    head = f"fs.shard_map({name}): {n} problem{'s' if n != 1 else ''} with {what}"
-    if kind:
-        head += f" ({kind})"
-    return report(head, problems)
+    n, kind = len(problems), f" ({kind})" if kind else ""
+    return report(f"fs.shard_map({name}): {n} problem{'s' if n != 1 else ''} with {what}{kind}", problems)
