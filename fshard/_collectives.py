@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -64,6 +64,7 @@ from ._primitives import (
 from ._primitives import apply as _apply
 
 _T = TypeVar("_T")  # a tensor, or a pytree of tensors: the result has the same structure
+_U = TypeVar("_U")  # a collective's operand, as the caller narrowed it
 
 __all__ = [
     "psum",
@@ -117,7 +118,7 @@ def _axis_name_alias(fn):
 _NO_SHAPE_CHECK = ("pvary", "pmean", "all_gather")  # no communication, or checked by their callee
 
 
-def _prologue(x, axis, where: str):
+def _prologue(x: _U, axis, where: str) -> tuple[Any, Any, int, int, _U]:
     tr = _vma.current(where)
     if not isinstance(x, torch.Tensor):
         raise CollectiveError(
@@ -447,6 +448,7 @@ def all_gather(
             return y
     x0 = x
     tr, g, bits, v, x = _prologue(x, axis, "all_gather")
+    assert isinstance(x, torch.Tensor)  # (for mypy: _prologue returns the operand it was given, cast)
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
     x = _vary(x, tr, v, bits)
@@ -663,6 +665,7 @@ def all_to_all(x: _T, axis, split_dim: int, concat_dim: int) -> _T:
     if not isinstance(x, torch.Tensor):
         return _tree_map(lambda t: all_to_all(t, axis, split_dim, concat_dim), x, axis, "all_to_all")
     tr, g, bits, v, x = _prologue(x, axis, "all_to_all")
+    assert isinstance(x, torch.Tensor)  # (for mypy: _prologue returns the operand it was given, cast)
     split_dim = _norm_dim(split_dim, x.dim(), "all_to_all", "split_dim")
     concat_dim = _norm_dim(concat_dim, x.dim(), "all_to_all", "concat_dim")
     _check_divisible(x, split_dim, g.size, "all_to_all", "split_dim")
@@ -752,6 +755,7 @@ def pvary(x: _T, axis) -> _T:
     if not isinstance(x, torch.Tensor):
         return _tree_map(lambda t: pvary(t, axis), x, axis, "pvary")
     tr, g, bits, v, x = _prologue(x, axis, "pvary")
+    assert isinstance(x, torch.Tensor)  # (for mypy: _prologue returns the operand it was given, cast)
     if not bits & ~v:
         return x
     out = _vma.pvary(x, tr, v, v | bits)

@@ -31,11 +31,12 @@ def _varying_axes_text(tr: Any, bits: int) -> tuple[str, str]:
 
 
 # -- values that carry a mask without being tensors ------------------------------------------
-# `.item()`, `.tolist()` and, in calls with uneven blocks, the shapes of varying tensors give
-# tracked Python numbers. Arithmetic, round() and math.floor/ceil/trunc keep them tracked; torch
-# ops receive them through VmaMode (which reads their masks and hands torch the plain values).
-# What would turn them into untracked Python values (int(), float(), the math functions, which
-# call float(), bool(), comparisons) raises a TracingError while the call that made them runs.
+# `.item()`, `.tolist()` and, in calls with uneven blocks, the sizes of varying tensors that differ
+# between ranks give tracked Python numbers. Arithmetic, round() and math.floor/ceil/trunc keep
+# them tracked; torch ops receive them through VmaMode (which reads their masks and hands torch
+# the plain values). What turns them into untracked Python values (int(), float(), the math
+# functions, which call float(), bool(), comparisons) gives the plain value and taints the call
+# that made them (`taint`), unless their values at every rank are known and agree.
 
 
 def _scalar_bits(x) -> int:
@@ -134,7 +135,7 @@ _COMPARE = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__")
 
 def _site() -> str:
     """The user's line that is running (the nearest frame outside torch and fshard), as ``file:line``."""
-    f = sys._getframe(1)
+    f: Any = sys._getframe(1)
     while f is not None:
         top = f.f_globals.get("__name__", "").partition(".")[0]
         if top not in ("torch", "fshard", "optree"):
@@ -225,14 +226,16 @@ def _refuse_scalar(name: str):
 
 class VaryingInt(int):
     """A Python int that varies over some mesh axes: ``i.item()``, ``i.tolist()`` of a varying tensor,
-    and in calls with uneven blocks the shape of a varying tensor (``x.shape[0]``, ``x.size(0)``,
+    and in calls with uneven blocks a size that differs between ranks (``x.shape[0]``, ``x.size(0)``,
     ``x.numel()``).
 
     It is an int (a torch.Size can hold it); torch ops that receive it (as an argument, a slice
     bound or in an index tuple), arithmetic, round() and math.floor/ceil/trunc keep its varying
     axes, so ``x[i * n:(i + 1) * n]`` and ``torch.tensor(x.shape[0])`` are tracked and
     ``fs.psum(n, axis)`` sums it over the ranks. ``int()``, ``float()`` (and the math functions that
-    call it), ``bool()`` and comparisons raise `fs.TracingError` inside the call that made it.
+    call it), ``bool()`` and comparisons give plain values and, inside the call that made it, taint
+    the call: every value made afterwards varies like it (a replicated out_spec then needs a
+    collective after the branch, such as ``fs.psum``).
 
     Examples:
         >>> n = x.shape[0]                       # 3, 3, 3, 1 for 10 rows over 4 ranks
@@ -248,9 +251,9 @@ class VaryingFloat:
     arithmetic mixing a `VaryingInt` and a float.
 
     Not a float subclass: Python's math functions read a float subclass's value without asking
-    it, so this one holds its value and refuses, inside the call that made it, every way out of
-    tracking (``float()``, ``math.sqrt(v)``, ``int()``, ``bool()``, comparisons) with
-    `fs.TracingError`. Arithmetic, round() and math.floor/ceil/trunc stay tracked; torch ops
+    it, so this one holds its value and sees, inside the call that made it, every way out of
+    tracking (``float()``, ``math.sqrt(v)``, ``int()``, ``bool()``, comparisons), each of which
+    taints the call (every value made afterwards varies like it). Arithmetic, round() and math.floor/ceil/trunc stay tracked; torch ops
     receive the plain value. ``str(v)``, ``repr(v)`` and ``f"{v:.3f}"`` format the value (for
     logging: the one way it leaves tracking).
 

@@ -252,7 +252,7 @@ def _derive_twin(tr: Trace, func, args, kwargs, out) -> None:
                 if src is not None:
                     return  # two tensors behind the boundary: their gradients stay separate
                 src = a
-    if src is None:
+    if src is None or out is src:  # (w.to(w.device), w.contiguous(): w itself, already registered)
         return
     # Any other operand that needs a gradient would get the twin path's unreduced cotangent.
     for a in (*args, *(kwargs.values() if kwargs else ())):

@@ -226,3 +226,85 @@ def test_only_uneven_sizes_are_tracked(n, rows):
         torch.testing.assert_close(gw, w.grad, msg=f"rank {r} grad w")
         torch.testing.assert_close(gv, v.grad, msg=f"rank {r} grad v")
         assert got == want, f"rank {r}"
+
+
+# =============================================================================================
+# GPT-2 (Hugging Face, a tiny config, random init): an uneven batch with a padded attention_mask
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=250, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    return GPT2LMHeadModel(cfg).double().eval()
+
+
+def _gpt2_loss_sum(m, params, ids, mask):
+    logits = torch.func.functional_call(m, params, (ids,), {"attention_mask": mask}).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    )
+    return (ce * mask[:, 1:].reshape(-1)).sum()
+
+
+def _rank_gpt2(n, ids, mask):
+    m = _gpt2()
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in m.named_parameters()}
+
+    def f(params, ids, mask):
+        return fs.psum(_gpt2_loss_sum(m, params, ids, mask), "dp")
+
+    mesh = fs.Mesh(dp=n)
+    loss = fs.shard_map(f, mesh=mesh, in_specs=("...", "(dp b) s", "(dp b) s"), out_specs="")(
+        params, ids, mask
+    )
+    loss.backward()
+    return loss.detach(), {k: v.grad for k, v in params.items()}
+
+
+def test_gpt2_with_a_padded_mask_and_an_uneven_batch():
+    pytest.importorskip("transformers")
+    ids = torch.randint(0, 250, (3, 8), generator=torch.Generator().manual_seed(1))  # 3 rows over 2 ranks
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[-1, 5:] = 0  # the last sequence is padded
+    m = _gpt2()
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in m.named_parameters()}
+    want = _gpt2_loss_sum(m, params, ids, mask)
+    want.backward()
+    for r, (loss, grads) in enumerate(run_ranks(2, _rank_gpt2, 2, ids, mask, timeout=110)):
+        torch.testing.assert_close(loss, want.detach(), msg=f"rank {r} loss")
+        for k, g in grads.items():
+            torch.testing.assert_close(g, params[k].grad, msg=f"rank {r} grad {k}")
+
+
+# =============================================================================================
+# an op returning its operand (w.to(w.device)) on a function of a parameter behind the gradient
+# boundary: its twin was registered as derived from itself (endless recursion at its first cast)
+
+
+def _rank_same_object(X, W):
+    mesh = fs.Mesh(dp=2)
+    w = W.clone().requires_grad_(True)
+
+    def f(x, w):
+        h = w * 2  # an invariant function of w: its twin is derived from w's
+        h = h.to(h.device)  # h itself
+        return fs.psum((x @ h).sum(), "dp")
+
+    loss = fs.shard_map(f, mesh=mesh, in_specs=("(dp b) d", "d e"), out_specs="")(X, w)
+    loss.backward()
+    return loss.detach(), w.grad
+
+
+def test_an_op_returning_its_operand_keeps_the_twin():
+    X, W = _randn(5, 3, 4), _randn(6, 4, 2)
+    w = W.clone().requires_grad_(True)
+    want = (X @ (w * 2)).sum()
+    want.backward()
+    for r, (loss, gw) in enumerate(run_ranks(2, _rank_same_object, X, W)):
+        torch.testing.assert_close(loss, want.detach(), msg=f"rank {r} loss")
+        torch.testing.assert_close(gw, w.grad, msg=f"rank {r} grad w")
