@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ._comm import untracked
-from ._scalars import _ATTR, VaryingFloat, VaryingInt, _varying_scalar, taint
+from ._scalars import VaryingFloat, VaryingInt, _varying_scalar, taint
 from ._scalars import _scan as _scan_bits
 
 _Tensor = torch.Tensor
@@ -83,9 +83,7 @@ def of(t, tr) -> Any:
     rec = getattr(t, _SHAPES, None)
     if rec is not None and rec[0] == tr.id:
         return rec[1]
-    tag = getattr(t, _ATTR, None)
-    varies = tag is not None and tag[0] == tr.id and tag[1]
-    return UNKNOWN if varies else None
+    return UNKNOWN if _scan_bits(t, tr.id) else None  # (also a mask a torch.func wrapper hides)
 
 
 def put(t, tr, shapes) -> None:
