@@ -195,7 +195,7 @@ def tag_result(t, tr: Trace, bits: int, clean: int = 0):
         if clean:
             tr.fresh[id(t)] = (weakref.ref(t), clean)
         bits |= tr.taint & ~clean
-    return tag(t, tr, bits)
+    return _put(t, tr, bits)
 
 
 def operand(x, tr: Trace, v: int):
@@ -232,7 +232,12 @@ def _tag_wrapped(t, tag: tuple) -> None:
 
 
 def tag(t, tr: Trace, bits: int):
-    """Mark ``t`` as varying over ``bits`` in ``tr``; returns ``t``."""
+    """Mark ``t`` as varying over ``bits`` in ``tr`` (and over the call's taint: made after a branch
+    on a varying value, `_scalars.taint`); returns ``t``."""
+    return _put(t, tr, bits | tr.taint)
+
+
+def _put(t, tr: Trace, bits: int):
     setattr(t, _ATTR, (tr.id, bits))
     if _is_wrapped(t):
         _tag_wrapped(t, (tr.id, bits))
