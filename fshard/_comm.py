@@ -444,13 +444,15 @@ def permute_start(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ..
         send_to = [d for s, d in perm if s == me and d != me]
         recv_from = [s for s, d in perm if d == me and s != me]
         local = any(s == d == me for s, d in perm)
+        if _compiling() and g.size > 1 and any(s != d for s, d in perm):
+            # Dynamo cannot trace P2P ops: an all-to-all over the axis with this rank's pair
+            # only, which every rank of the axis joins (a rank in no pair too, with empty splits)
+            return _permute_compiled(t, g, send_to, recv_from, local)
         if not send_to and not recv_from:
             if g.size > 1:
                 g.group  # noqa: B018  (a group made on first use is made by every rank: collective)
             result = t.clone(memory_format=torch.contiguous_format) if local else torch.zeros_like(t)
             return Handle((), lambda: result)
-        if _compiling():  # Dynamo cannot trace P2P ops: an all-to-all with this rank's pair only
-            return _permute_compiled(t, g, send_to, recv_from)
         group = g.group
         flat = t.contiguous()
         ops = [dist.P2POp(dist.isend, flat, g.global_ranks[d], group) for d in send_to]  # type: ignore[arg-type]
@@ -475,7 +477,9 @@ def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) ->
     return permute_start(t, g, perm).wait()
 
 
-def _permute_compiled(t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: list) -> Handle:
+def _permute_compiled(
+    t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: list, local: bool
+) -> Handle:
     """`permute` in traced code: one functional all-to-all over the axis in which this rank sends
     ``t`` to its destination and receives from its source (every other split empty), the same
     bytes as the point-to-point exchange; every rank of the axis takes part."""
@@ -493,7 +497,12 @@ def _permute_compiled(t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: l
         out = _launch(_ALL_TO_ALL, flat, out_splits, in_splits, _name(g))
         rec = issued()
         out = _wait(out, rec)
-    result = out.view(t.shape) if recv_from else torch.zeros_like(t)
+    if recv_from:
+        result = out.view(t.shape)
+    elif local:
+        result = t.clone(memory_format=torch.contiguous_format)
+    else:
+        result = torch.zeros_like(t)
     return Handle((), lambda: result)
 
 
