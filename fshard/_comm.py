@@ -477,9 +477,7 @@ def permute(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ...]) ->
     return permute_start(t, g, perm).wait()
 
 
-def _permute_compiled(
-    t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: list, local: bool
-) -> Handle:
+def _permute_compiled(t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: list, local: bool) -> Handle:
     """`permute` in traced code: one functional all-to-all over the axis in which this rank sends
     ``t`` to its destination and receives from its source (every other split empty), the same
     bytes as the point-to-point exchange; every rank of the axis takes part."""

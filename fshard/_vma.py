@@ -82,6 +82,8 @@ class Trace:
         # made while torch.compile traces: a constant of the trace, read on the per-op path
         # instead of calling torch.compiler.is_compiling() for every op
         self.compiled = _compiling()
+        if self.compiled:
+            _compile.keep_collectives_in_place()
         self._mode: VmaMode | None = None
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}

@@ -48,9 +48,7 @@ def _cases(n: int):
             ("...", "(dp b) d"),
             "(dp b) d",
             {},
-            lambda W, X: torch.cat(
-                [torch.zeros(rows, D), blocks(X @ W)[0], torch.zeros(ROWS - 2 * rows, D)]
-            ),
+            lambda W, X: torch.cat([torch.zeros(rows, D), blocks(X @ W)[0], torch.zeros(ROWS - 2 * rows, D)]),
         ),
         "ppermute (chain)": (
             lambda w, x: fs.ppermute(x @ w, "dp", [(i, i + 1) for i in range(n - 1)]),
