@@ -272,6 +272,8 @@ class _ShardMapped(_static.Fixed):
         versions = [] if compiling else [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
         tr.uneven = uneven
+        if self._per_rank:
+            tr.shapes_differ = treedef in self._per_rank  # fs.PerRank arguments (_stages)
         # (compiled: no buckets, also for fs.value_and_grad inside f; one all-reduce per input)
         tr.bucket_mb = self._bucket_mb if self._tracked and not compiling else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
