@@ -47,6 +47,47 @@ def _psum_b_double(a, b):
     return a * 2 + fs.psum(b, "y").mean()
 
 
+CALLS: list = []  # (branch, whether it ran on fake tensors), on this rank
+
+
+def _counted_0(a, b):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    CALLS.append((0, isinstance(a, FakeTensor)))
+    return a * 2
+
+
+def _counted_1(a, b):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    CALLS.append((1, isinstance(a, FakeTensor)))
+    return a + 1
+
+
+def _rank_cache():
+    """Each branch runs once on fake tensors per signature; the rank's own branch runs at every call."""
+    import fshard as fs
+
+    mesh = fs.Mesh(x=2, y=2)
+    CALLS.clear()
+
+    def f(a, b):
+        return fs.switch(fs.axis_index("x"), [_counted_0, _counted_1], a, b)
+
+    sm = fs.shard_map(f, mesh=mesh, in_specs=("(x i) j", "(y i) j"), out_specs="(x i) j")
+    for _ in range(3):
+        sm(A, B)
+    sm(A[:, :2], B[:, :2])  # another signature: traced again
+    return mesh.coordinate["x"], list(CALLS)
+
+
+def test_switch_traces_each_branch_once_per_signature():
+    for x, calls in run_ranks(4, _rank_cache, timeout=120):
+        fake = [(0, True), (1, True)]
+        real = [(x, False)]
+        assert calls == fake + real * 3 + fake + real, (x, calls)
+
+
 def _catch(fn):
     import fshard as fs
 
