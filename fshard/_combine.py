@@ -117,6 +117,7 @@ def deferrable(tr) -> bool:
         and not _compiling()
         and enabled()
         and not _watch.S.check  # fs.debug checks each call as made, against the other ranks'
+        and not _comm.is_abstract()  # (types only: the collective raises, see _comm.abstract)
     )
 
 

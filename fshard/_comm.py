@@ -167,12 +167,36 @@ def _span(kind: str, names: tuple[str, ...], nbytes: int):
     return torch.profiler.record_function(f"fshard.{kind}[{','.join(names)}] {nbytes}B")
 
 
+class Abstract(Exception):
+    """A collective reached while `abstract` is on: nothing was sent (see `abstract`)."""
+
+
+_ABSTRACT = [0]
+
+
+@contextlib.contextmanager
+def abstract():
+    """Code run for its types only (`fs.switch` traces each branch on fake tensors): every collective
+    raises `Abstract` before anything is recorded or sent, and none is queued for combining."""
+    _ABSTRACT[0] += 1
+    try:
+        yield
+    finally:
+        _ABSTRACT[0] -= 1
+
+
+def is_abstract() -> bool:
+    return _ABSTRACT[0] > 0
+
+
 def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None):
     """Record one collective of ``t`` over ``g`` and return its profiler range (see `_span`).
 
     Outside ``torch.compile`` it also gets its record in ``_watchdog`` (sequence number, call
     site; in debug mode the cross-rank fingerprint check, which raises before anything is sent),
-    which `issued` returns until the next collective."""
+    which `issued` returns until the next collective. Under `abstract` it raises `Abstract`."""
+    if _ABSTRACT[0]:
+        raise Abstract(f"a {kind} over {', '.join(g.names)} while tracing for types only")
     if _compiling():  # a compiled graph shows the functional ops themselves
         _record_traced(kind, g, t)
         return _NO_SPAN

@@ -16,9 +16,10 @@ import math
 import optree
 import torch
 
-from . import _buckets, _comm, _compile, _debug, _mesh, _spec, _stages, _static, _vma
+from . import _buckets, _checks, _comm, _compile, _debug, _mesh, _spec, _stages, _static, _vma
 from ._buckets import DEFAULT_BUCKET_MB
-from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
+from ._checks import problems_report as _report
+from ._errors import ArgumentError, FshardError, SpecError
 from ._layout import Layout, bind
 from ._mesh import Mesh
 from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active, _ScaleCotangent
@@ -65,8 +66,12 @@ def shard_map(
             mark an unreduced partial sum, reduced on the way out (an all-reduce, or a
             reduce-scatter when the summed axis also splits a dim).
         check: check that each output is invariant over every mesh axis its out_spec
-            does not mention (before any communication, identically on every rank).
-            ``check=False`` takes such an output to be the same on every rank of those axes
+            does not mention, and varies over every axis its ``| sum(...)`` names (a value that
+            is the same on every rank of ``y`` is no partial sum over ``y``: summing its copies
+            would multiply it by ``y``'s size); before the outputs' communication, identically on
+            every rank. ``check=False`` sums a partial-sum output's copies as they are (``y``'s
+            size times the value, each rank's copy taken as one term), and takes an output
+            varying over an axis its out_spec replicates to be the same on every rank of those axes
             (its value is this rank's) and, as JAX's ``check_vma=False``, divides its
             gradient by the product of the sizes of the axes it is tracked as varying over
             but its out_spec replicates: each rank's copy sends its cotangent back through
@@ -158,12 +163,13 @@ class _InPlan:
 
 
 class _OutPlan:
-    __slots__ = ("kind", "layout", "allowed", "reduce", "scatter", "path", "spec", "uneven")
+    __slots__ = ("kind", "layout", "allowed", "summed", "reduce", "scatter", "path", "spec", "uneven")
 
     def __init__(self, kind: OutKind, layout=None, allowed=0, reduce=None, scatter=(), path="", spec=""):
         self.kind = kind
         self.layout = layout
         self.allowed = allowed  # vma bits the value may vary over
+        self.summed: tuple[str, ...] = ()  # the axes of its '| sum(...)': it must vary over them
         self.reduce = reduce  # AxisGroup for an all-reduce of partial axes, or None
         self.scatter = scatter  # ((dim, AxisGroup, tiled), ...) reduce-scatters
         self.path = path
@@ -266,6 +272,8 @@ class _ShardMapped(_static.Fixed):
         versions = [] if compiling else [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
         tr.uneven = uneven
+        if self._per_rank:
+            tr.shapes_differ = treedef in self._per_rank  # fs.PerRank arguments (_stages)
         # (compiled: no buckets, also for fs.value_and_grad inside f; one all-reduce per input)
         tr.bucket_mb = self._bucket_mb if self._tracked and not compiling else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
@@ -290,7 +298,7 @@ class _ShardMapped(_static.Fixed):
         with tr:
             out = self.f(*local_args)
         if versions:
-            self._check_unmodified(leaves, plans, global_idx, versions, tr)
+            _checks.check_unmodified(self.name, leaves, plans, global_idx, versions, tr)
         out_leaves, out_treedef = optree.tree_flatten(out)
         okey = (
             None
@@ -313,12 +321,12 @@ class _ShardMapped(_static.Fixed):
         oplans, out_uneven = ohit
         if self._tracked:
             if self.check:
-                self._check_outputs(out_leaves, oplans, tr)
+                _checks.check_outputs(self.name, mesh, out_leaves, oplans, tr, OutKind.PASS)
             elif torch.is_grad_enabled():
                 out_leaves = _scale_unchecked(out_leaves, oplans, tr)
             if torch.is_grad_enabled():
-                # An output invariant over an axis its spec splits or sums over holds one copy
-                # per index: cast it to varying so its gradient sums over the copies.
+                # An output invariant over an axis its spec splits (or, under check=False, sums
+                # over) holds one copy per index: cast it to varying so its gradient sums over them.
                 out_leaves = [_vary_out(x, p, tr) for x, p in zip(out_leaves, oplans)]
         done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
         if tr.uneven or out_uneven:  # (tr.uneven: also set by f's own collectives)
@@ -466,6 +474,7 @@ class _ShardMapped(_static.Fixed):
             kind = OutKind.SHARDED if layout.is_split else OutKind.PLAIN
             plan = _OutPlan(kind, layout.reduced(), allowed, reduce, tuple(scatter), path, str(spec))
             plan.uneven = any(t is not True for _, _, t in scatter)
+            plan.summed = layout.partial
             plans.append(plan)
         per_rank = _stages.per_rank_leaves(out)
         if per_rank:  # leaves of fs.PerRank outputs: they may vary over its axes, returned as they are
@@ -473,67 +482,6 @@ class _ShardMapped(_static.Fixed):
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems))
         return plans
-
-    # == error checking =====================================================================
-
-    def _check_unmodified(self, leaves, plans, global_idx, versions, tr) -> None:
-        """A plain global input changed in place inside f so that the ranks' copies now differ: a
-        block of it (each rank changed its own block), or all of it with a varying value. (An
-        update with the same value on every rank is plain torch behaviour and stays allowed.)"""
-        changed = [
-            plans[i].path
-            for i, v in zip(global_idx, versions)
-            if leaves[i]._version != v and (plans[i].slices or _vma.get(leaves[i], tr))
-        ]
-        if changed:
-            raise TracingError(
-                f"fs.shard_map({self.name}): f modified {', '.join(changed)} in place; "
-                f"{'it is' if len(changed) == 1 else 'they are'} (a block of) the global tensor you passed, "
-                f"so each rank changed its own copy and the ranks' copies now disagree; clone inside f "
-                f"(x = x.clone()) before updating, or pass an fs.Sharded value (fs.shard(x, mesh, spec)), "
-                f"whose block each rank owns and may update in place"
-            )
-
-    def _check_outputs(self, leaves, plans, tr):
-        problems = []
-        mesh = self.mesh
-        for x, p in zip(leaves, plans):
-            if p.kind is OutKind.PASS:
-                continue
-            extra = _vma.get(x, tr) & ~p.allowed
-            if extra:
-                axes = mesh.names_of(extra)
-                ax = ", ".join(axes)
-                tup = repr(axes[0]) if len(axes) == 1 else repr(axes)
-                word = "axis" if len(axes) == 1 else "axes"
-                gathered = getattr(x, "_fshard_gathered", None)
-                if gathered is not None and set(axes) <= set(gathered):
-                    problems.append(
-                        f"{p.path} is an fs.all_gather over {ax}, which varies over {ax} (its gradient is "
-                        f"reduce-scattered back to each rank's block), but out_spec {p.spec!r} says it is "
-                        f"replicated over {ax}; gather with fs.all_gather(..., invariant=True) to return the "
-                        f"gathered value as replicated, or split a dim over {ax} in the out_spec and return "
-                        f"the block"
-                    )
-                    continue
-                problems.append(
-                    f"{p.path} varies over mesh {word} {ax} but out_spec {p.spec!r} says it is replicated "
-                    f"over {ax}; reduce it inside f (fs.psum / fs.pmean over {tup}), mark it as a "
-                    f"partial sum with '| sum({' '.join(axes)})', split a dim over {ax} in the "
-                    f"out_spec, or pass check=False if you know it is the same on every rank"
-                )
-        if problems:
-            msg = _report(self.name, "out_specs", problems, kind="replication check")
-            drew = _vma.global_draw(tr)
-            if drew is not None:
-                msg += (
-                    f"\nf drew random numbers from torch's global generator ({drew}), which gives each rank "
-                    f"numbers of its own, so they vary over every mesh axis; draw them with fs.random, whose "
-                    f"streams agree across the axes a value is replicated over: fs.random.dropout(x, p, "
-                    f"seed=step) for dropout, or pass generator=fs.random.generator(seed, like=x) to "
-                    f"torch.rand, torch.randn, torch.bernoulli, Tensor.normal_ and the rest"
-                )
-            _compile.fail(SpecError, msg)
 
 
 # == eager evaluation =====================================================================
@@ -790,11 +738,3 @@ def _mismatch(specs, tree, spath: str, tpath: str) -> str | None:
 
 def _indent(text: str) -> str:
     return text.replace("\n", "\n    ")
-
-
-def _report(name: str, what: str, problems: list[str], kind: str | None = None) -> str:
-    n = len(problems)
-    head = f"fs.shard_map({name}): {n} problem{'s' if n != 1 else ''} with {what}"
-    if kind:
-        head += f" ({kind})"
-    return report(head, problems)

@@ -67,6 +67,7 @@ class Trace:
         "bucket_mb",
         "uneven",
         "ragged",
+        "shapes_differ",
         "queue",
         "pending",
         "compiled",
@@ -95,6 +96,9 @@ class Trace:
         # a varying operand met an op whose output shape depends on the data (x[mask], nonzero,
         # unique, ...): the outputs' global shapes are found from their gathered block shapes
         self.ragged = False
+        # a value's shape may differ between ranks beyond uneven and ragged blocks: fs.PerRank values
+        # (each rank's own tree) and the results of fs.switch on a varying index (_stages)
+        self.shapes_differ = False
         # collectives issued and not yet run (`_combine.Queue`): flushed by the next torch op
         self.queue = None
         # flushed collectives whose results are not filled yet (`_combine.Flight`)
