@@ -326,8 +326,9 @@ def restart_count() -> int:
         return 0
 
 
-def attempt_store(world_size: int) -> Any:
-    """The rendezvous store of this attempt, or None when ``env://`` already gives a fresh one.
+def attempt_store(rank: int, world_size: int, timeout: float | None) -> Any:
+    """Join this attempt's rendezvous store (see ``fshard._rendezvous.join``) and return the store
+    for the default process group.
 
     When the launcher hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun with the
     c10d or static rendezvous), that store outlives the ranks: after a restart it still holds the
@@ -336,21 +337,27 @@ def attempt_store(world_size: int) -> Any:
     refused" and fails the restart; which address it reads first is a race. Every attempt
     therefore joins under a prefix of its own (run id and restart count), so no key of a previous
     attempt is ever read. When rank 0 hosts the store (``python -m fshard.run``, which also picks
-    a new port per attempt), the store dies with the attempt and ``env://`` is used as is.
+    a new port per attempt), the store dies with the attempt; the process group's keys go under
+    ``default_pg/``, as with ``env://``.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
     import torch.distributed as dist
 
-    store = dist.TCPStore(
+    from . import _rendezvous
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    prefix = f"fshard/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{restart_count()}/" if agent else None
+    wait = max(timeout or 0.0, RENDEZVOUS_TIMEOUT)
+    store = _rendezvous.join(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
+        rank,
         world_size,
-        False,
-        timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT),
+        hosts_store=rank == 0 and not agent,
+        prefix=prefix,
+        timeout=wait,
+        store_timeout=timedelta(seconds=wait) if timeout else dist.distributed_c10d.default_pg_timeout,
     )
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return dist.PrefixStore(f"fshard/{run_id}/attempt_{restart_count()}/", store)
+    return store if agent else dist.PrefixStore("default_pg", store)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -444,18 +451,13 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
     if "nccl" in backend and "LOCAL_RANK" not in present:
         local_rank = rank % max(1, torch.cuda.device_count())
     _watch_launcher()
-    store = attempt_store(world_size)
-    if store is None:
-        init_process_group(backend, local_rank=local_rank, timeout=timeout)
-    else:
-        init_process_group(
-            backend, local_rank=local_rank, timeout=timeout, store=store, rank=rank, world_size=world_size
-        )
+    _install_failure_hook()  # a rank refused by the rendezvous records why, for its launcher
+    store = attempt_store(rank, world_size, timeout)
+    init_process_group(backend, local_rank=local_rank, timeout=timeout, store=store, rank=rank, world_size=world_size)
     _start_watchdog(hang_report)
     # Half the collective timeout: a rank that left early (sys.exit(3)) while its peers wait for
     # it in a collective gives up on them before they give up on it, so it is seen to fail first.
     _exit.barrier_timeout = min(EXIT_BARRIER_TIMEOUT, timeout / 2) if timeout else EXIT_BARRIER_TIMEOUT
-    _install_failure_hook()
     atexit.register(_shutdown_at_exit)
 
 

@@ -315,6 +315,14 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
             now = time.monotonic()
             if received and kill_at is None:
                 kill_at = now + _KILL_AFTER_SIGNAL
+                running = sum(code is None for code in codes)
+                print(
+                    f"fshard.run: {signal.Signals(received[0]).name}: passed on to the {running} running "
+                    f"rank(s); those still running in {_KILL_AFTER_SIGNAL:g} s will be killed (a second "
+                    "signal kills them now)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             verdict = None
             if blamed is None and not received and any(code not in (None, 0) for code in codes):
                 if first_failure is None:
