@@ -345,7 +345,9 @@ def attempt_store(rank: int, world_size: int, timeout: float | None) -> Any:
     from . import _rendezvous
 
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    prefix = f"fshard/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{restart_count()}/" if agent else None
+    prefix = (
+        f"fshard/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{restart_count()}/" if agent else None
+    )
     wait = max(timeout or 0.0, RENDEZVOUS_TIMEOUT)
     store = _rendezvous.join(
         os.environ["MASTER_ADDR"],
@@ -380,6 +382,12 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
     one. A rank that finishes normally waits for the others to finish (up to 30 s, or half of
     ``timeout`` if that is shorter) before tearing the process group down.
 
+    The ranks join on a rendezvous store (hosted by rank 0, or by torchrun) that records which
+    job owns it (``TORCHELASTIC_RUN_ID`` and the world size): a rank that reaches another job's
+    store (the same ``--master-port`` given to two jobs) raises at once rather than joining that
+    job, which goes on undisturbed. Ctrl-C (SIGINT, SIGTERM) while a rank waits there for its
+    peers ends it at once, saying why in one line.
+
     Under a launcher (torchrun, ``python -m fshard.run``), a rank whose launcher dies (killed
     with ``SIGKILL``, say) exits within half a second with code 1, saying so on stderr, instead
     of waiting, orphaned, in a collective until its timeout.
@@ -400,7 +408,9 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
 
     Raises:
         FshardError: the environment is only partially configured, or holds non-integers, or
-            ``timeout`` or ``hang_report`` is not a positive number.
+            ``timeout`` or ``hang_report`` is not a positive number; or the port belongs to another
+            job, or the ranks did not all join within the rendezvous timeout (``timeout``, at
+            least 300 s).
 
     Examples:
         >>> import torch, torch.distributed as dist
@@ -452,8 +462,14 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
         local_rank = rank % max(1, torch.cuda.device_count())
     _watch_launcher()
     _install_failure_hook()  # a rank refused by the rendezvous records why, for its launcher
-    store = attempt_store(rank, world_size, timeout)
-    init_process_group(backend, local_rank=local_rank, timeout=timeout, store=store, rank=rank, world_size=world_size)
+    from . import _rendezvous
+
+    where = f"{present['MASTER_ADDR']}:{present['MASTER_PORT']}"
+    with _rendezvous.interruptible(rank, f"joining the job at {where}"):
+        store = attempt_store(rank, world_size, timeout)
+        init_process_group(
+            backend, local_rank=local_rank, timeout=timeout, store=store, rank=rank, world_size=world_size
+        )
     _start_watchdog(hang_report)
     # Half the collective timeout: a rank that left early (sys.exit(3)) while its peers wait for
     # it in a collective gives up on them before they give up on it, so it is seen to fail first.

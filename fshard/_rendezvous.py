@@ -96,11 +96,17 @@ def join(
 
     deadline = time.monotonic() + timeout
     where = f"{host}:{port}"
-    with _interruptible(rank, f"waiting for the store at {where}"):
+    with interruptible(rank, f"waiting for the store at {where}"):
         if hosts_store:
             try:
                 root = dist.TCPStore(
-                    host, port, world_size, True, timeout=store_timeout, wait_for_workers=False, multi_tenant=True
+                    host,
+                    port,
+                    world_size,
+                    True,
+                    timeout=store_timeout,
+                    wait_for_workers=False,
+                    multi_tenant=True,
                 )
             except RuntimeError as exc:
                 if "EADDRINUSE" not in str(exc):
@@ -114,7 +120,7 @@ def join(
             root = dist.TCPStore(host, port, world_size, False, timeout=store_timeout)
     store = dist.PrefixStore(prefix, root) if prefix else root
     mine = job_identity(world_size)
-    with _interruptible(rank, f"waiting for rank 0 to start the job at {where}"):
+    with interruptible(rank, f"waiting for rank 0 to start the job at {where}"):
         if rank == 0:
             store.set(JOB_KEY, json.dumps(mine))
             if prefix:  # a launcher's store: say whose it is to ranks that look for it at the top
@@ -146,7 +152,7 @@ def join(
             f"where a rank {rank} has already joined: two copies of the job were started on the same "
             f"port (by hand, or under one run id); this one did not join. {_fix(port)}."
         )
-    with _interruptible(rank, f"waiting for the other ranks to join at {where}"):
+    with interruptible(rank, f"waiting for the other ranks to join at {where}"):
         if store.add(_JOINED_KEY, 1) == world_size:
             store.set(_ALL_JOINED_KEY, "1")
         if not _wait_for_key(store, _ALL_JOINED_KEY, deadline):
@@ -197,7 +203,7 @@ def _wait_for_key(store: Any, key: str, deadline: float) -> bool:
 
 
 @contextlib.contextmanager
-def _interruptible(rank: int, what: str) -> Iterator[None]:
+def interruptible(rank: int, what: str) -> Iterator[None]:
     """End the rank, with one line on stderr, when SIGINT or SIGTERM arrives during the block.
 
     SIGINT raises KeyboardInterrupt as usual; SIGTERM, left to its default action (the process

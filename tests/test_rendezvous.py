@@ -192,7 +192,9 @@ def test_ctrl_c_while_ranks_wait_for_a_slow_rank_0_ends_every_rank_at_once_sayin
     )
     pids = []
     try:
-        _wait_for([tmp_path / f"ready{r}" for r in (1, 2, 3)] + [tmp_path / "pid0"], proc, 100, "ranks starting")
+        _wait_for(
+            [tmp_path / f"ready{r}" for r in (1, 2, 3)] + [tmp_path / "pid0"], proc, 100, "ranks starting"
+        )
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(4)]
         time.sleep(1.5)  # in the rendezvous: the store's connect (fshard.run), the wait for rank 0 (torchrun)
         assert all(_running(pid) for pid in pids)
@@ -210,14 +212,16 @@ def test_ctrl_c_while_ranks_wait_for_a_slow_rank_0_ends_every_rank_at_once_sayin
                 os.kill(pid, signal.SIGKILL)
     # Before: 10 s (fshard.run's SIGKILL) or 30 s (torchrun's), and nothing said. (torchrun's agent
     # itself takes its time to end, once its ranks have.)
-    assert took < 5, took
-    assert ended < (10 if launcher == "fshard.run" else 40), ended
+    assert took < 5, (took, err)
+    assert ended < (10 if launcher == "fshard.run" else 40), (ended, err)
     if launcher == "fshard.run":
         assert proc.returncode == 128 + signal.SIGINT, err
         what = f"waiting for the store at 127.0.0.1:{port}"  # rank 0 hosts it
     else:
         what = rf"waiting for rank 0 to start the job at [\w.]+:{port}"  # the agent hosts it
-    said = sorted(line for line in err.splitlines() if "interrupted" in line and line.startswith("fshard: rank"))
+    said = sorted(
+        line for line in err.splitlines() if "interrupted" in line and line.startswith("fshard: rank")
+    )
     assert len(said) == 3, err
     for rank, line in zip((1, 2, 3), said):
         assert re.fullmatch(rf"fshard: rank {rank}: interrupted \(SIGINT\) while {what}; ending", line), line
@@ -273,7 +277,9 @@ def test_a_rank_of_another_job_is_refused_with_both_jobs_named(host_store, monke
     # Started by hand (no run id), with another world size:
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     store.set(_rendezvous.JOB_KEY, json.dumps({"run_id": None, "world_size": 4}))
-    with pytest.raises(FshardError, match=r"rank 1 of a job without a run id \(2 ranks\) reached .* belongs to a "):
+    with pytest.raises(
+        FshardError, match=r"rank 1 of a job without a run id \(2 ranks\) reached .* belongs to a "
+    ):
         _join(port, 1)
 
 
