@@ -117,7 +117,8 @@ def join(
                 ) from None
         else:
             _wait_for_listener(host, port, rank, deadline)
-            root = dist.TCPStore(host, port, world_size, False, timeout=store_timeout)
+            # (not counted among the store's workers: a client of another job's store writes nothing)
+            root = dist.TCPStore(host, port, world_size, False, timeout=store_timeout, wait_for_workers=False)
     store = dist.PrefixStore(prefix, root) if prefix else root
     mine = job_identity(world_size)
     with interruptible(rank, f"waiting for rank 0 to start the job at {where}"):
