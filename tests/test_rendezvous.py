@@ -87,13 +87,21 @@ print(f"{role} rank {rank}: {step} steps", flush=True)
 """
 
 
-def test_a_second_job_on_the_port_of_a_running_job_is_refused_and_the_running_job_goes_on(tmp_path):
+@pytest.mark.parametrize("first", ["fshard.run", "torchrun"])
+def test_a_second_job_on_the_port_of_a_running_job_is_refused_and_the_running_job_goes_on(tmp_path, first):
+    # The running job under fshard.run (its rank 0 hosts the store) or torchrun (its agent does);
+    # the second under fshard.run. (A second torchrun's agent fails to host the store itself.)
     script = tmp_path / "job.py"
     script.write_text(JOB_SCRIPT)
     port = free_port()
 
     def start(role):
-        cmd = [sys.executable, "-m", "fshard.run", "-n", "2", "--master-port", str(port), str(script)]
+        launcher = (
+            ["fshard.run", "-n"]
+            if role == "B" or first == "fshard.run"
+            else ["torch.distributed.run", "--nproc-per-node"]
+        )
+        cmd = [sys.executable, "-m", *launcher, "2", "--master-port", str(port), str(script)]
         return subprocess.Popen(
             [*cmd, str(tmp_path), role],
             env=_clean_env(),
@@ -130,7 +138,10 @@ def test_a_second_job_on_the_port_of_a_running_job_is_refused_and_the_running_jo
     assert took < 40, took
     run_a = (tmp_path / "A-id0").read_text()
     run_b = (tmp_path / "B-id1").read_text()
-    assert run_a != run_b and run_a.startswith("fshard-")
+    assert run_a != run_b and run_b.startswith("fshard-")
+    assert (
+        run_a.startswith("fshard-") if first == "fshard.run" else run_a == "none"
+    )  # torchrun's default rdzv id
     message = (
         f"fshard.init(): rank 1 of job '{run_b}' (2 ranks) reached the rendezvous store at 127.0.0.1:{port}, "
         f"which belongs to job '{run_a}' (2 ranks): this rank did not join it, and the other job goes on "
