@@ -132,7 +132,8 @@ def join(
             if not _wait_for_key(store, JOB_KEY, by):
                 if prefix:
                     raise FshardError(
-                        f"fshard.init(): rank {rank} timed out waiting for rank 0 to join at {where}"
+                        f"fshard.init(): rank {rank} timed out after {timeout:g} s waiting for rank 0 to join "
+                        f"at {where}: rank 0 did not call fs.init()"
                     )
                 raise FshardError(
                     f"fshard.init(): rank {rank} of {describe_job(mine)} reached a rendezvous store at "

@@ -337,7 +337,10 @@ def test_rank_0_on_a_taken_port_says_so():
     )
 
 
-def test_ranks_that_do_not_join_and_a_store_that_never_comes_are_named_at_the_timeout(monkeypatch):
+def test_ranks_that_do_not_join_and_a_store_that_never_comes_are_named_at_the_timeout(
+    host_store, monkeypatch
+):
+    host_port, _ = host_store
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     port = free_port()
     with pytest.raises(FshardError) as info:
@@ -345,6 +348,13 @@ def test_ranks_that_do_not_join_and_a_store_that_never_comes_are_named_at_the_ti
     assert str(info.value) == (
         f"fshard.init(): rank 0 timed out after 0.5 s waiting for the other ranks to join at "
         f"127.0.0.1:{port}: rank 1 did not"
+    )
+    # In a launcher's store (torchrun's agent hosts it; the job's keys under a prefix of its own):
+    with pytest.raises(FshardError) as info:
+        _join(host_port, 1, timeout=0.5, prefix="fshard/run/attempt_0/")
+    assert str(info.value) == (
+        f"fshard.init(): rank 1 timed out after 0.5 s waiting for rank 0 to join at 127.0.0.1:{host_port}: "
+        "rank 0 did not call fs.init()"
     )
     port = free_port()  # nothing listens there
     with pytest.raises(FshardError) as info:
