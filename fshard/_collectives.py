@@ -393,7 +393,8 @@ def pmax(x: _T, axis) -> _T:
 
     Gradient: the cotangent goes to the ranks whose value equals the maximum, split evenly
     among ties (as ``torch.amax`` does over the stacked values); it costs one all-reduce of
-    the tie counts in the backward.
+    the tie counts in the backward. A NaN on any rank gives NaN, as ``torch.amax`` does (value,
+    gradient and tangent), also on backends whose max drops NaN.
 
     Examples:
         >>> m = fs.pmax(scores.amax(-1), "tp")

@@ -709,51 +709,46 @@ def gather_shapes(
     xs, g: AxisGroup, device=None, where: str = "", paths=None, error=None
 ) -> list[list[tuple[int, ...]]]:
     """The shapes of tensors ``xs`` at every index of ``g``: ``out[i][k]`` is index ``i``'s
-    ``xs[k].shape``. One small all-gather of ``[ndim, *shape, dtype, device type]`` rows padded to
-    11 numbers (shapes past 8 dims are known by their first 8), so that ranks can compare shapes
-    before a collective whose sizes must agree. The dtypes and device types must agree already:
-    otherwise ``error`` (default `CollectiveError`) is raised on every rank alike, naming ``where``
-    (the public function), the operand (``paths[k]``), and which ranks hold which dtype (a
-    collective of mismatched dtypes fails inside the backend, or kills the process in gloo).
-    ``device``: where the rows travel (default: ``xs[0]``'s device)."""
+    ``xs[k].shape``. One small all-gather of ``[ndim + 256 * kind, *shape]`` rows padded to 9
+    numbers (shapes past 8 dims are known by their first 8; ``kind``: a digest of the dtype and
+    device type), so that ranks can compare shapes before a collective whose sizes must agree. The
+    dtypes and device types must agree already: otherwise ``error`` (default `CollectiveError`) is
+    raised on every rank alike, naming ``where`` (the public function), the operand (``paths[k]``)
+    and which ranks hold which dtype (a collective of mismatched dtypes fails inside the backend, or
+    ends the process in gloo). ``device``: where the rows travel (default: ``xs[0]``'s device)."""
     mine: list[int] = []
     for x in xs:
-        row = [x.dim(), *x.shape[:8]]
-        mine += row + [0] * (9 - len(row)) + [_code(str(x.dtype)), _code(x.device.type)]
+        row = [x.dim() + 256 * _kind(x.dtype, x.device.type), *x.shape[:8]]
+        mine += row + [0] * (9 - len(row))
     with untracked():
         t = torch.tensor(mine, dtype=torch.int64, device=device or xs[0].device)
         rows = all_gather_blocks(t, g).tolist()
     for k in range(len(xs)):
-        kinds = [(row[11 * k + 9], row[11 * k + 10]) for row in rows]
-        if any(kd != kinds[0] for kd in kinds):
+        if any(row[9 * k] != rows[0][9 * k] for row in rows):
+            kinds = [row[9 * k] >> 8 for row in rows]
             raise (error or _errors.CollectiveError)(
                 _kinds_differ(kinds, g, where, paths[k] if paths else None)
             )
     return [
-        [tuple(row[11 * k + 1 : 11 * k + 1 + min(row[11 * k], 8)]) for k in range(len(xs))] for row in rows
+        [tuple(row[9 * k + 1 : 9 * k + 1 + min(row[9 * k] & 255, 8)]) for k in range(len(xs))] for row in rows
     ]
 
 
-def _code(name: str) -> int:
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+def _kind(dtype: torch.dtype, device_type: str) -> int:
+    return zlib.crc32(f"{dtype} {device_type}".encode()) & 0x7FFFFFFF
 
 
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "privateuseone")
 
 
 def _kinds_differ(kinds: list, g: AxisGroup, where: str, path) -> str:
-    names = {_code(str(d)): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
-    names.update({_code(d): d for d in _DEVICE_TYPES})
+    dtypes = [d for d in vars(torch).values() if isinstance(d, torch.dtype)]
+    names = {_kind(d, v): f"{d} on {v}" for d in dtypes for v in _DEVICE_TYPES}
     by: dict = {}
-    for i, (dt, dev) in enumerate(kinds):
-        by.setdefault((names.get(dt, f"dtype #{dt}"), names.get(dev, f"device type #{dev}")), []).append(
-            g.global_ranks[i]
-        )
-    held = "; ".join(
-        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {dt} on {dev}"
-        for (dt, dev), r in by.items()
-    )
-    common = max(by, key=lambda k: len(by[k]))[0]
+    for i, kind in enumerate(kinds):
+        by.setdefault(names.get(kind, f"a dtype or device type #{kind}"), []).append(g.global_ranks[i])
+    held = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {k}" for k, r in by.items())
+    common = max(by, key=lambda k: len(by[k])).split(" on ")[0]
     what = f"the operand at {path}" if path else "the operand"
     return (
         f"{where or 'a collective'} over {' '.join(g.names) or 'the world'}: {what} has a different dtype or "

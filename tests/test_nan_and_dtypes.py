@@ -394,3 +394,32 @@ def test_from_local_refuses_blocks_of_different_dtypes_on_every_rank(n):
             f"dtypes fails inside the backend). Cast it on every rank alike, e.g. x.to(torch.float32) where the "
             f"ranks' values are made (a per-rank loader's batch as it is loaded)"
         )
+
+
+def _rank_uneven_dtypes():
+    n = dist.get_world_size()
+    mesh = fs.Mesh(dp=n)
+    X = torch.arange(5.0 * 3).reshape(5, 3)  # uneven blocks: torch.chunk's cut of 5 rows
+
+    def f(x):
+        y = x.double() if mesh.axis_index("dp") == n - 1 else x  # one rank's operand in float64
+        return fs.psum(y.sum(0), "dp")
+
+    try:
+        fs.shard_map(f, mesh=mesh, in_specs="(dp b) d", out_specs="d")(X)
+    except fs.CollectiveError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collective_in_an_uneven_call_refuses_operands_of_different_dtypes(n):
+    others = ", ".join(str(r) for r in range(n - 1))
+    held = f"rank{'s' if n > 2 else ''} {others}: torch.float32 on cpu; rank {n - 1}: torch.float64 on cpu"
+    for msg in run_ranks(n, _rank_uneven_dtypes):
+        assert msg == (
+            f"fs.psum over dp: the operand has a different dtype or device type on different ranks ({held}); "
+            f"every rank must hand the same dtype on the same kind of device (a collective of mismatched dtypes "
+            f"fails inside the backend). Cast it on every rank alike, e.g. x.to(torch.float32) where the ranks' "
+            f"values are made (a per-rank loader's batch as it is loaded)"
+        )
