@@ -76,6 +76,8 @@ def plan(g, t: torch.Tensor, kind: str) -> tuple | None:
     """How ``t`` travels in a collective of ``kind`` (``"move"``, ``"sum"``, ``"max"``, ``"min"``,
     or another reduction's name) over ``g``: None as it is, else ``(wire dtype, mode)`` for `to_wire`
     and `from_wire`. Raises `CollectiveError` for a dtype the backend cannot take."""
+    if t.dtype in _BASIC:  # every backend fshard knows takes these as they are (and others: as is)
+        return None
     b = g.backend
     if b is None:
         backend(g, t.device)
