@@ -423,3 +423,28 @@ def test_collective_in_an_uneven_call_refuses_operands_of_different_dtypes(n):
             f"fails inside the backend). Cast it on every rank alike, e.g. x.to(torch.float32) where the ranks' "
             f"values are made (a per-rank loader's batch as it is loaded)"
         )
+
+
+def _rank_compiled_nan(n: int):
+    mesh = fs.Mesh(dp=n)
+    X = _global_with_nans(n)
+    G = X.reshape(n * 4, 4)
+
+    def step(g):
+        return (
+            fs.shard_map(lambda x: fs.pmax(x, "dp"), mesh=mesh, in_specs="(dp r) c", out_specs="r c")(g),
+            fs.shard_map(lambda x: fs.pmin(x, "dp"), mesh=mesh, in_specs="(dp r) c", out_specs="r c")(g),
+        )
+
+    got = torch.compile(step, backend="eager", fullgraph=True)(G)
+    errs: list = []
+    _same(errs, "compiled pmax", got[0], X.amax(0))
+    _same(errs, "compiled pmin", got[1], X.amin(0))
+    return errs
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_compiled_pmax_and_pmin_carry_the_nan_mask(n):
+    # compiled, the marks are the whole NaN mask, in the same buffer (no host read of a flag)
+    for errs in run_ranks(n, _rank_compiled_nan, n, timeout=240):
+        assert errs == []
