@@ -154,7 +154,7 @@ def _prologue(x, axis, where: str):
         )
     g = tr.mesh.axis_group(axis, where)
     if tr.uneven and g.size > 1 and where not in _NO_SHAPE_CHECK:
-        _same_shapes(_shapes([x], g), g, where)
+        _same_shapes(_shapes([x], g, where), g, where)
     return tr, g, tr.mesh.bits(g.names), _vma.get(x, tr)
 
 
@@ -166,9 +166,10 @@ def _prologue(x, axis, where: str):
 # blocks that differ only along the gathered dim, gathers them unevenly.
 
 
-def _shapes(xs, g) -> list[list[tuple[int, ...]]] | None:
-    """The shapes of ``xs`` at each index of ``g`` (one small all-gather), or None if all agree."""
-    shapes = _comm.gather_shapes(xs, g)
+def _shapes(xs, g, where: str, paths=None) -> list[list[tuple[int, ...]]] | None:
+    """The shapes of ``xs`` at each index of ``g`` (one small all-gather), or None if all agree
+    (their dtypes must agree: see `_comm.gather_shapes`)."""
+    shapes = _comm.gather_shapes(xs, g, None, f"fs.{where}", paths)
     return None if all(s == shapes[0] for s in shapes) else shapes
 
 
@@ -207,17 +208,15 @@ def _tree_prologue(tree, axis, where: str):
             f"at {accessors[i].codify('x')}"
         )
     if tr.uneven and g.size > 1 and leaves:
-        shapes = _shapes(leaves, g)
-        if shapes is not None:
-            accessors, _, _ = optree.tree_flatten_with_accessor(tree)
-            _same_shapes(shapes, g, where, [a.codify("x") for a in accessors])
+        paths = [a.codify("x") for a in optree.tree_flatten_with_accessor(tree)[0]]
+        _same_shapes(_shapes(leaves, g, where, paths), g, where, paths)
     return tr, g, tr.mesh.bits(g.names), leaves, treedef
 
 
 def _uneven_tiling(x, g, dim: int, tiled: bool):
     """``tiled`` for an all_gather in a call with uneven blocks: the block lengths along ``dim``
     when the ranks' blocks differ only there (tiled), else ``tiled`` or an error."""
-    shapes = _shapes([x], g)
+    shapes = _shapes([x], g, "all_gather")
     if shapes is None:
         return tiled
     same_rest = all(
@@ -394,7 +393,8 @@ def pmax(x: _T, axis) -> _T:
 
     Gradient: the cotangent goes to the ranks whose value equals the maximum, split evenly
     among ties (as ``torch.amax`` does over the stacked values); it costs one all-reduce of
-    the tie counts in the backward.
+    the tie counts in the backward. A NaN on any rank gives NaN, as ``torch.amax`` does (value,
+    gradient and tangent), also on backends whose max drops NaN.
 
     Examples:
         >>> m = fs.pmax(scores.amax(-1), "tp")

@@ -20,6 +20,7 @@ results on one rank (`gather_blocks`, `reduce_`), `scatter` and `broadcast_objec
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (the ops' fake kernels, for tracing)
 
-from . import _inflight
+from . import _errors, _inflight, _wire
 from . import _watchdog as _watch
 from ._mesh import AxisGroup
 
@@ -367,18 +368,49 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM, what: str | 
             return t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()
         name = _OP_NAMES[op]
+        if not _compiling() and (how := _wire.plan(g, t, name)) is not None:  # a dtype the backend lacks
+            return _wire.from_wire(all_reduce(_wire.to_wire(t, how), g, op, what), t.dtype, how)
         desc = None if what is None else (lambda: what)
         with _issue("all_reduce", g, t, what, desc):  # the range covers the wait, as for any blocking call
             rec, tags = _reduce_tags(t, g, name, what)
-            if tags is None:
+            nans = _nan_marks(t) if name in ("max", "min") and t.is_floating_point() else None
+            if tags is None and nans is None:
                 return _wait(_launch(_ALL_REDUCE, t, name, _name(g)), rec)
-            n = t.numel()  # the data and its tags in one buffer (the copy the out-of-place op makes)
-            buf = torch.empty(n + len(tags), dtype=t.dtype, device=t.device)
+            n = t.numel()  # the data, NaN marks and tags in one buffer (the copy the out-of-place op makes)
+            k = n if nans is None else n + nans.numel()
+            buf = torch.empty(k + len(tags or ()), dtype=t.dtype, device=t.device)
             buf[:n].copy_(t.view(-1))
-            buf[n:].copy_(torch.tensor(tags, dtype=t.dtype))
-            buf = _wait(_launch(_ALL_REDUCE_, buf, name, _name(g)), rec)
-            _watch.check_reduced_tags(buf[n:].tolist(), tags, g.size, name, rec, g, t.device, desc)  # type: ignore[arg-type]
-            return buf[:n].view(t.shape)
+            if nans is not None:
+                buf[n:k].copy_(nans if name == "max" else -nans)  # 1 (max) or -1 (min) where NaN
+            if tags is not None:
+                buf[k:].copy_(torch.tensor(tags, dtype=t.dtype))
+            buf = _wait(_launch(_ALL_REDUCE if _compiling() else _ALL_REDUCE_, buf, name, _name(g)), rec)
+            if tags is not None:
+                _watch.check_reduced_tags(buf[k:].tolist(), tags, g.size, name, rec, g, t.device, desc)  # type: ignore[arg-type]
+            out = buf[:n].view(t.shape)
+        return out if nans is None else _with_nans(out, buf[n:k], t, g)
+
+
+def _nan_marks(t: torch.Tensor) -> torch.Tensor:
+    """What a max or min all-reduce of the floating ``t`` sends after its data so that a NaN on any
+    rank gives NaN, as torch's ``amax`` of the global tensor does (gloo's MAX keeps or drops a NaN
+    depending on where it meets it; NCCL's drops it): on the CPU in eager one element, 1 if ``t``
+    holds a NaN (read after the reduction: a second all-reduce, of the NaN mask, only when some
+    rank had one); elsewhere (no host read on an accelerator, or while compiling) the whole mask."""
+    mark = t.isnan().view(-1)
+    if t.device.type == "cpu" and not _compiling():
+        mark = mark.any().view(1)
+    return mark.to(t.dtype)
+
+
+def _with_nans(out: torch.Tensor, marks: torch.Tensor, t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """``out``, the max or min over ``g``, with NaN where some rank's ``t`` holds one (``marks``: the
+    reduced `_nan_marks`, the same on every rank, so every rank takes the same branch)."""
+    if t.device.type == "cpu" and not _compiling():
+        if marks.item() == 0:
+            return out
+        marks = all_reduce(t.isnan().view(-1).to(torch.uint8), g, dist.ReduceOp.MAX)
+    return out.masked_fill(marks.view(t.shape) != 0, float("nan"))
 
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -421,6 +453,10 @@ def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked():
         if g.size == 1:
             return t.clone()
+        if not _compiling() and (how := _wire.plan(g, t, "move")) is not None:  # its bytes, block by block
+            t = t.contiguous()
+            out = all_to_all_blocks(_wire.to_wire(t, how).view(g.size, -1), g)
+            return _wire.from_wire(out, t.dtype, how, t.shape)
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         splits = [1] * g.size
         with _issue("all_to_all", g, t):
@@ -477,6 +513,9 @@ def permute_start(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ..
                 g.group  # noqa: B018  (a group made on first use is made by every rank: collective)
             result = t.clone(memory_format=torch.contiguous_format) if local else torch.zeros_like(t)
             return Handle((), lambda: result)
+        if (how := _wire.plan(g, t, "move")) is not None:  # a dtype the backend does not move: its bytes
+            inner = permute_start(_wire.to_wire(t.contiguous(), how), g, perm)
+            return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how, t.shape))
         group = g.group
         flat = t.contiguous()
         ops = [dist.P2POp(dist.isend, flat, g.global_ranks[d], group) for d in send_to]  # type: ignore[arg-type]
@@ -535,6 +574,9 @@ def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:
         if g.size == 1:
             blocks = t.unsqueeze(0)
             return Handle((), lambda: blocks)
+        if not _compiling() and (how := _wire.plan(g, t, "move")) is not None:  # its bytes
+            inner = all_gather_start(_wire.to_wire(t, how), g)
+            return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how, (g.size, *t.shape)))
         with _issue("all_gather", g, t):
             out = _launch(_ALL_GATHER, t.reshape(-1), g.size, _name(g))
             tags = _tag_start(t, g)
@@ -558,6 +600,9 @@ def reduce_scatter_start(t: torch.Tensor, g: AxisGroup) -> Handle:
         if g.size == 1:
             block = t[0].clone()
             return Handle((), lambda: block)
+        if not _compiling() and (how := _wire.plan(g, t, "sum")) is not None:  # a dtype it lacks
+            inner = reduce_scatter_start(_wire.to_wire(t.contiguous(), how), g)
+            return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how))
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         with _issue("reduce_scatter", g, t):
             out = _launch(_REDUCE_SCATTER, t.reshape(-1), "sum", g.size, _name(g))
@@ -583,6 +628,8 @@ def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
         if g.size == 1:
             return t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()
+        if not _compiling() and (how := _wire.plan(g, t, "move")) is not None:
+            return _wire.from_wire(broadcast(_wire.to_wire(t, how), g, src), t.dtype, how, t.shape)
         root = src if g.order is None else g.order[src]  # the functional op takes the group rank
         with _issue("broadcast", g, t):
             out = _launch(_BROADCAST, t, root, _name(g))
@@ -596,6 +643,12 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
     """In-place all-reduce of a contiguous buffer the caller owns (a packed pytree, say)."""
     with untracked():
         if g.size > 1:
+            if not _compiling() and (how := _wire.plan(g, t, _OP_NAMES[op])) is not None:
+                w = _wire.to_wire(t, how)
+                all_reduce_(w, g, op)
+                if how[1] != "view":  # a view reduced in place is already t
+                    t.copy_(_wire.from_wire(w, t.dtype, how))
+                return
             with _issue("all_reduce", g, t):
                 if _compiling():  # the traceable form of an in-place collective
                     with torch.no_grad():
@@ -616,6 +669,9 @@ def all_reduce_start_(t: torch.Tensor, g: AxisGroup) -> Handle:
     with untracked():
         if g.size == 1:
             return Handle((), lambda: t)
+        if (how := _wire.plan(g, t, "sum")) is not None:  # a dtype the backend does not reduce
+            inner = all_reduce_start_(_wire.to_wire(t, how), g)
+            return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how))
         with _issue("all_reduce", g, t):
             rec, tags = _reduce_tags(t, g, "sum")
             n = t.numel()
@@ -650,6 +706,9 @@ def gather_blocks(t: torch.Tensor, g: AxisGroup, dst: int) -> torch.Tensor | Non
         t = t.contiguous()
         if g.size == 1:
             return t.unsqueeze(0).clone()
+        if (how := _wire.plan(g, t, "move")) is not None:  # a dtype the backend does not move: its bytes
+            got = gather_blocks(_wire.to_wire(t, how), g, dst)
+            return None if got is None else _wire.from_wire(got, t.dtype, how, (g.size, *t.shape))
         out = torch.empty(g.size, *t.shape, dtype=t.dtype, device=t.device) if g.index == dst else None
         rows = list(out.unbind(0)) if out is not None else None
         with _issue("gather", g, t):
@@ -667,23 +726,67 @@ def reduce_(t: torch.Tensor, g: AxisGroup, dst: int) -> None:
     """
     with untracked():
         if g.size > 1:
+            if (how := _wire.plan(g, t, "sum")) is not None:  # a dtype the backend does not reduce
+                w = _wire.to_wire(t, how)
+                reduce_(w, g, dst)
+                if how[1] != "view":  # a view reduced in place is already t
+                    t.copy_(_wire.from_wire(w, t.dtype, how))
+                return
             with _issue("reduce", g, t):
                 _watch.wait(dist.reduce, issued(), t, dst=g.global_ranks[dst], group=g.group)
 
 
-def gather_shapes(xs, g: AxisGroup, device=None) -> list[list[tuple[int, ...]]]:
+def gather_shapes(
+    xs, g: AxisGroup, device=None, where: str = "", paths=None, error=None
+) -> list[list[tuple[int, ...]]]:
     """The shapes of tensors ``xs`` at every index of ``g``: ``out[i][k]`` is index ``i``'s
-    ``xs[k].shape``. One small all-gather of ``[ndim, *shape]`` rows padded to 9 numbers (shapes
-    past 8 dims are known by their first 8), so that ranks can compare shapes before a collective
-    whose sizes must agree. ``device``: where the rows travel (default: ``xs[0]``'s device)."""
+    ``xs[k].shape``. One small all-gather of ``[ndim + 256 * kind, *shape]`` rows padded to 9
+    numbers (shapes past 8 dims are known by their first 8; ``kind``: a digest of the dtype and
+    device type), so that ranks can compare shapes before a collective whose sizes must agree. The
+    dtypes and device types must agree already: otherwise ``error`` (default `CollectiveError`) is
+    raised on every rank alike, naming ``where`` (the public function), the operand (``paths[k]``)
+    and which ranks hold which dtype (a collective of mismatched dtypes fails inside the backend, or
+    ends the process in gloo). ``device``: where the rows travel (default: ``xs[0]``'s device)."""
     mine: list[int] = []
     for x in xs:
-        row = [x.dim(), *x.shape[:8]]
+        row = [x.dim() + 256 * _kind(x.dtype, x.device.type), *x.shape[:8]]
         mine += row + [0] * (9 - len(row))
     with untracked():
         t = torch.tensor(mine, dtype=torch.int64, device=device or xs[0].device)
         rows = all_gather_blocks(t, g).tolist()
-    return [[tuple(row[9 * k + 1 : 9 * k + 1 + min(row[9 * k], 8)]) for k in range(len(xs))] for row in rows]
+    for k in range(len(xs)):
+        if any(row[9 * k] != rows[0][9 * k] for row in rows):
+            kinds = [row[9 * k] >> 8 for row in rows]
+            raise (error or _errors.CollectiveError)(
+                _kinds_differ(kinds, g, where, paths[k] if paths else None)
+            )
+    return [
+        [tuple(row[9 * k + 1 : 9 * k + 1 + min(row[9 * k] & 255, 8)]) for k in range(len(xs))] for row in rows
+    ]
+
+
+def _kind(dtype: torch.dtype, device_type: str) -> int:
+    return zlib.crc32(f"{dtype} {device_type}".encode()) & 0x7FFFFFFF
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "privateuseone")
+
+
+def _kinds_differ(kinds: list, g: AxisGroup, where: str, path) -> str:
+    dtypes = [d for d in vars(torch).values() if isinstance(d, torch.dtype)]
+    names = {_kind(d, v): f"{d} on {v}" for d in dtypes for v in _DEVICE_TYPES}
+    by: dict = {}
+    for i, kind in enumerate(kinds):
+        by.setdefault(names.get(kind, f"a dtype or device type #{kind}"), []).append(g.global_ranks[i])
+    held = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {k}" for k, r in by.items())
+    common = max(by, key=lambda k: len(by[k])).split(" on ")[0]
+    what = f"the operand at {path}" if path else "the operand"
+    return (
+        f"{where or 'a collective'} over {' '.join(g.names) or 'the world'}: {what} has a different dtype or "
+        f"device type on different ranks ({held}); every rank must hand the same dtype on the same kind of "
+        f"device (a collective of mismatched dtypes fails inside the backend). Cast it on every rank alike, "
+        f"e.g. x.to({common}) where the ranks' values are made (a per-rank loader's batch as it is loaded)"
+    )
 
 
 def broadcast_object(objs: list, src: int) -> None:
@@ -699,6 +802,12 @@ def broadcast_object(objs: list, src: int) -> None:
 
 def scatter(out: torch.Tensor, blocks: list | None, src: int) -> None:
     """``dist.scatter`` over the world (one block per global rank), counted."""
+    if (how := _wire.plan(_watch.world_group(), out, "move")) is not None:  # a dtype the backend lacks
+        wire = _wire.to_wire(out.contiguous(), how)  # its bytes: a view of ``out`` when contiguous
+        scatter(wire, None if blocks is None else [_wire.to_wire(b.contiguous(), how) for b in blocks], src)
+        if wire.data_ptr() != out.data_ptr() or not out.is_contiguous():
+            out.copy_(_wire.from_wire(wire, out.dtype, how, out.shape))
+        return
     nbytes = out.numel() * out.element_size()
     if _recorders:
         for r in _recorders:

@@ -605,9 +605,8 @@ def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict, ragged: boo
         layout, local = p.layout, x.local
         if ragged:
             if any(layout.dims):
-                x._shape = _global_shape_of_blocks(
-                    local, mesh, layout, functools.partial(_ragged_error, name, p)
-                )
+                err, who = functools.partial(_ragged_error, name, p), ("fs.shard_map", [f"output {p.path}"])
+                x._shape = _global_shape_of_blocks(local, mesh, layout, err, who)
             continue
         cut = {d: (t, g.size) for d, g, t in p.scatter if len(layout.dims[d]) == len(g.names)}
         shape: list[int] = []
@@ -623,7 +622,8 @@ def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict, ragged: boo
             else:  # a size no rank knows alone: gather the block shapes
                 break
         if len(shape) != len(layout.dims):
-            x._shape = _global_shape_of_blocks(local, mesh, layout)
+            who = ("fs.shard_map", [f"output {p.path}"])
+            x._shape = _global_shape_of_blocks(local, mesh, layout, None, who)
             continue
         want = layout.local_shape(shape, mesh.shape, mesh.coordinate)
         if want != tuple(local.shape):

@@ -207,9 +207,14 @@ def _sig(obj) -> int:
 
 
 def _tree_sig(tree) -> int:
-    """A digest of a tree's structure and its leaves' shapes and dtypes."""
+    """A digest of a tree's structure and its leaves' shapes, dtypes and device types."""
     leaves, treedef = optree.tree_flatten(tree)
-    return _sig((treedef, [(tuple(x.shape), x.dtype) if isinstance(x, _Tensor) else type(x) for x in leaves]))
+    return _sig(
+        (
+            treedef,
+            [(tuple(x.shape), x.dtype, x.device.type) if isinstance(x, _Tensor) else type(x) for x in leaves],
+        )
+    )
 
 
 def _replica_axes(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -252,7 +257,7 @@ def _check_replicas(p: PerRank) -> None:
     if odd:
         raise SpecError(
             f"fs.PerRank: the ranks that hold the same index along {_axes_text(p.axes)} (the copies along "
-            f"{', '.join(map(repr, replicas))}) hold trees of different structure, shapes or dtypes "
+            f"{', '.join(map(repr, replicas))}) hold trees of different structure, shapes, dtypes or device types "
             f"({'; '.join(odd)}); a per-rank value is replicated over the other axes: build it the same way on "
             f"every rank of an index (e.g. fs.PerRank.build(mesh, {_axes_text(p.axes)}, [...]) with the same seeds)"
         )

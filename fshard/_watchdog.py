@@ -162,6 +162,7 @@ class _World:
 
     names: tuple = ()
     group = None
+    backend: str | None = None  # the default group's backend, once asked (``_wire.backend``)
 
     def __init__(self, size: int):
         self.global_ranks = tuple(range(size))
