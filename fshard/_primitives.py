@@ -219,6 +219,16 @@ def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     return x.narrow(dim, g.index * s, s)
 
 
+def _slice(ct: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
+    """This rank's block of the cotangent ``ct`` of an invariant all-gather result: a plain
+    slice, or, when the slice itself is differentiated (a double backward, or under torch.func),
+    `LocalSlice`, whose transpose gathers every rank's block (a plain slice would transpose to
+    this rank's block alone, padded with zeros)."""
+    if torch.is_grad_enabled() or _functorch_active():
+        return apply(LocalSlice, ct, g, dim, tiled)
+    return local_block(ct, g, dim, tiled)
+
+
 def a2a_dim(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
     """Split ``split_dim`` into group-size blocks, exchange them, concatenate along ``concat_dim``."""
     blocks = split_blocks(x, g.size, split_dim, True)
@@ -250,8 +260,8 @@ class Pvary(torch.autograd.Function):
         return _comm.all_reduce(ct, ctx.g), None
 
     @staticmethod
-    def jvp(ctx, x_t, _):
-        return x_t.view_as(x_t)
+    def jvp(ctx, x_t, _):  # the tangent is cast as the primal is: a reverse pass over it sums
+        return apply(Pvary, x_t, ctx.g)
 
     @staticmethod
     def vmap(info, in_dims, x, g):
@@ -272,7 +282,7 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+        if torch.is_grad_enabled() or _functorch_active():  # differentiated: the pvary transposes to psum
             return apply(Pvary, ct, ctx.g), None
         return ct, None
 
@@ -328,7 +338,7 @@ class AllGatherInvariant(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
-        return local_block(ct, *ctx.args), None, None, None
+        return _slice(ct, *ctx.args), None, None, None
 
     @staticmethod
     @_untracked
@@ -360,8 +370,8 @@ class LocalSlice(torch.autograd.Function):
 
     @staticmethod
     @_untracked
-    def jvp(ctx, x_t, *_):
-        return local_block(x_t, *ctx.args)
+    def jvp(ctx, x_t, *_):  # the slice with its transpose: a reverse pass over the tangent gathers
+        return apply(LocalSlice, x_t, *ctx.args)
 
     @staticmethod
     @_untracked
@@ -470,6 +480,8 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
+        if torch.is_grad_enabled() or _functorch_active():  # differentiable: ct is invariant
+            ct = apply(Pvary, ct, ctx.g)
         return (ct if ctx.g.index == ctx.src else torch.zeros_like(ct)), None, None
 
     @staticmethod
@@ -503,6 +515,8 @@ class Extremum(torch.autograd.Function):
         x, y = ctx.saved_tensors
         hit = (x == y).to(ct.dtype)
         ties = _psum_values(hit, ctx.g)
+        if torch.is_grad_enabled() or _functorch_active():  # differentiable: ct is invariant
+            ct = apply(Pvary, ct, ctx.g)
         return ct * hit / ties, None, None
 
     @staticmethod
@@ -542,7 +556,7 @@ class AllReduceCoalesced(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cts):
-        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+        if torch.is_grad_enabled() or _functorch_active():  # differentiated: the pvary transposes to psum
             return (None, *(apply(Pvary, ct, ctx.g) for ct in cts))
         return (None, *cts)
 
@@ -616,7 +630,7 @@ class AllGatherCoalesced(torch.autograd.Function):
     def backward(ctx, *cts):
         g, dims, tiled, invariant = ctx.args
         if invariant:
-            grads = tuple(local_block(ct, g, dim, tiled) for ct, dim in zip(cts, dims))
+            grads = tuple(_slice(ct, g, dim, tiled) for ct, dim in zip(cts, dims))
         else:
             grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
         return (None, None, None, None, *grads)

@@ -38,6 +38,7 @@ from ._scalars import (
     _unwrap,
     _varying_axes_text,
     _varying_scalar,
+    differentiating,
     hidden_bits,
     needs_grad,
 )
@@ -296,8 +297,8 @@ class PvaryInput(torch.autograd.Function):
         return _comm.all_reduce(ct, ctx.g, what=f"the gradient of {ctx.path}"), None, None
 
     @staticmethod
-    def jvp(ctx, x_t, *_):  # (forward-mode AD outside torch.func: the identity, as Pvary's)
-        return x_t.view_as(x_t)
+    def jvp(ctx, x_t, *_):  # (forward-mode AD outside torch.func: the cast, as Pvary's)
+        return apply(Pvary, x_t, ctx.g)
 
 
 def _drop_casts(tr: Trace, x) -> None:
@@ -415,7 +416,7 @@ class VmaMode(TorchFunctionMode):
                         v = t[1]
                     else:  # untagged or stale: invariant, unless a torch.func transform hides a tag
                         v = _hidden(a, tr)
-                    if a.requires_grad or (_functorch_active() and needs_grad(a)):
+                    if a.requires_grad or (differentiating() and needs_grad(a)):
                         low &= v
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
@@ -425,7 +426,7 @@ class VmaMode(TorchFunctionMode):
                                 v = t[1]
                             else:
                                 v = _hidden(b, tr)
-                            if b.requires_grad or (_functorch_active() and needs_grad(b)):
+                            if b.requires_grad or (differentiating() and needs_grad(b)):
                                 low &= v
                         elif type(b) in _CARRIERS:
                             v = _scan(b, tid)
