@@ -45,6 +45,12 @@ from ._scalars import (
 
 _Tensor = torch.Tensor
 
+
+def may_need_grad(t) -> bool:
+    """``t.requires_grad``, or under a transform `needs_grad` (also a tangent that needs one)."""
+    return t.requires_grad or (differentiating() and needs_grad(t))
+
+
 _compiling = _compile.compiling
 
 
@@ -277,9 +283,8 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
 
 
 class PvaryInput(torch.autograd.Function):
-    """`Pvary` of a shard_map input outside the gradient buckets (``bucket_mb=0``): the backward's
-    all-reduce carries the input's key path in its tags, so that ranks whose ``f`` used different
-    inputs (a branch on the rank) raise instead of summing one input's gradient with another's."""
+    """`Pvary` of a shard_map input outside the gradient buckets (``bucket_mb=0``): the backward's all-reduce
+    carries the input's key path in its tags (ranks whose ``f`` used different inputs raise, not sum them)."""
 
     @staticmethod
     def forward(x, g, path):
