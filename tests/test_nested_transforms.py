@@ -369,9 +369,7 @@ def _close_trees(errs, what, got, want):
         close(errs, f"{what} [{k}]", g, v, DT)
 
 
-@pytest.mark.parametrize(
-    "n, full", [(2, ("psum", "all_gather tiled invariant")), (4, ("ppermute",))]
-)
+@pytest.mark.parametrize("n, full", [(2, ("psum", "all_gather tiled invariant")), (4, ("ppermute",))])
 def test_nested_derivatives_match_one_process(n, full):
     assert_ok(run_ranks(n, _rank, n, full, timeout=900))
 
