@@ -369,10 +369,12 @@ def _close_trees(errs, what, got, want):
         close(errs, f"{what} [{k}]", g, v, DT)
 
 
+@pytest.mark.timeout(900)  # many cases in one job per pool (about 2-4 min each, more under load)
 @pytest.mark.parametrize("n, full", [(2, ("psum", "all_gather tiled invariant")), (4, ("ppermute",))])
 def test_nested_derivatives_match_one_process(n, full):
     assert_ok(run_ranks(n, _rank, n, full, timeout=900))
 
 
+@pytest.mark.timeout(900)
 def test_nested_derivatives_on_a_three_axis_mesh_match_one_process():
     assert_ok(run_ranks(8, _rank, 8, (), False, timeout=900))
