@@ -60,7 +60,7 @@ from ._primitives import (
     _owned,
     _untracked,
     apply,
-    local_block,
+    invariant_slice,
     split_blocks,
 )
 
@@ -456,7 +456,7 @@ class _GatherT:
 
     def __call__(self, ct):
         if self.invariant:
-            return local_block(ct, self.g, self.dim, self.tiled)
+            return invariant_slice(ct, self.g, self.dim, self.tiled)
         return apply(ReduceScatter, ct, self.g, self.dim, self.tiled)
 
 
@@ -510,7 +510,7 @@ class AllGatherInto(torch.autograd.Function):
         g, dims, tiled, invariant, n = ctx.args
         early = ctx.early
         if invariant:
-            grads = tuple(local_block(ct, g, d, tiled) for ct, d in zip(cts, dims))
+            grads = tuple(invariant_slice(ct, g, d, tiled) for ct, d in zip(cts, dims))
         elif early is not None and early.started():
             grads = early.result()  # reduce-scattered during the backward (`Arrived`)
         else:

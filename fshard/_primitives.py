@@ -33,9 +33,11 @@ Every Function has a separate ``setup_context``, so ``loss.backward()``,
 are never views of buffers made inside ``forward``, so users may update them in place.
 
 The other torch.func transforms go through two more staticmethods per Function. ``jvp``, the
-forward-mode rule: the collectives are linear, so the tangent goes through the same collective
-(pvary passes it through; pmax / pmin pass the tangent of the selected element, averaged among
-ties as the backward splits the cotangent). ``vmap``, the batching rule: the batch dim moves to
+forward-mode rule: the collectives are linear, so the tangent goes through the same Function
+(pmax / pmin: `AllReduce` of the tangent of the selected element, averaged among ties as the
+backward splits the cotangent). A rule, and a backward, that may itself be differentiated (a
+reverse pass over a tangent: ``jacrev(jacfwd(f))``; a double backward) applies Functions, never
+bare communication, views or slices, so that the outer pass finds each step's transpose. ``vmap``, the batching rule: the batch dim moves to
 the front, the collective's ``dim`` (``split_dim``, ``concat_dim``) shifts past it, and one
 collective moves the whole batch. So ``vmap``, ``jvp``, ``jacrev``, ``jacfwd`` and ``hessian``
 compose with shard_map, of it and inside it.
@@ -77,6 +79,7 @@ __all__ = [
     "scatter_dim",
     "scattered_block",
     "local_block",
+    "invariant_slice",
     "a2a_dim",
 ]
 
@@ -219,6 +222,14 @@ def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
     return x.narrow(dim, g.index * s, s)
 
 
+def invariant_slice(ct: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
+    """This rank's block of the cotangent of an invariant all_gather; `LocalSlice` when differentiated
+    (a plain slice would transpose to this rank's block padded with zeros, not the gather)."""
+    if torch.is_grad_enabled() or _functorch_active():
+        return apply(LocalSlice, ct, g, dim, tiled)
+    return local_block(ct, g, dim, tiled)
+
+
 def a2a_dim(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
     """Split ``split_dim`` into group-size blocks, exchange them, concatenate along ``concat_dim``."""
     blocks = split_blocks(x, g.size, split_dim, True)
@@ -250,8 +261,8 @@ class Pvary(torch.autograd.Function):
         return _comm.all_reduce(ct, ctx.g), None
 
     @staticmethod
-    def jvp(ctx, x_t, _):
-        return x_t.view_as(x_t)
+    def jvp(ctx, x_t, _):  # the tangent is cast as the primal is: a reverse pass over it sums
+        return apply(Pvary, x_t, ctx.g)
 
     @staticmethod
     def vmap(info, in_dims, x, g):
@@ -272,7 +283,7 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+        if torch.is_grad_enabled() or _functorch_active():  # differentiated: the pvary transposes to psum
             return apply(Pvary, ct, ctx.g), None
         return ct, None
 
@@ -328,7 +339,7 @@ class AllGatherInvariant(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
-        return local_block(ct, *ctx.args), None, None, None
+        return invariant_slice(ct, *ctx.args), None, None, None
 
     @staticmethod
     @_untracked
@@ -360,8 +371,8 @@ class LocalSlice(torch.autograd.Function):
 
     @staticmethod
     @_untracked
-    def jvp(ctx, x_t, *_):
-        return local_block(x_t, *ctx.args)
+    def jvp(ctx, x_t, *_):  # the slice with its transpose: a reverse pass over the tangent gathers
+        return apply(LocalSlice, x_t, *ctx.args)
 
     @staticmethod
     @_untracked
@@ -470,6 +481,9 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
+        if torch.is_grad_enabled() or _functorch_active():  # differentiated: ct is invariant, so cast,
+            ct = apply(Pvary, ct, ctx.g)  # and zeroed in the graph (the cast's transpose on every rank)
+            return ct.masked_fill(torch.tensor(ctx.g.index != ctx.src, device=ct.device), 0), None, None
         return (ct if ctx.g.index == ctx.src else torch.zeros_like(ct)), None, None
 
     @staticmethod
@@ -503,6 +517,8 @@ class Extremum(torch.autograd.Function):
         x, y = ctx.saved_tensors
         hit = (x == y).to(ct.dtype)
         ties = _psum_values(hit, ctx.g)
+        if torch.is_grad_enabled() or _functorch_active():  # differentiable: ct is invariant
+            ct = apply(Pvary, ct, ctx.g)
         return ct * hit / ties, None, None
 
     @staticmethod
@@ -542,7 +558,7 @@ class AllReduceCoalesced(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cts):
-        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+        if torch.is_grad_enabled() or _functorch_active():  # differentiated: the pvary transposes to psum
             return (None, *(apply(Pvary, ct, ctx.g) for ct in cts))
         return (None, *cts)
 
@@ -616,7 +632,7 @@ class AllGatherCoalesced(torch.autograd.Function):
     def backward(ctx, *cts):
         g, dims, tiled, invariant = ctx.args
         if invariant:
-            grads = tuple(local_block(ct, g, dim, tiled) for ct, dim in zip(cts, dims))
+            grads = tuple(invariant_slice(ct, g, dim, tiled) for ct, dim in zip(cts, dims))
         else:
             grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
         return (None, None, None, None, *grads)
@@ -766,31 +782,6 @@ class ReduceScatterDone(torch.autograd.Function):
     @_untracked
     def jvp(ctx, x_t, *_):
         return apply(ReduceScatter, x_t, *ctx.args)
-
-
-class _ScaleCotangent(torch.autograd.Function):
-    """Identity forward; the backward multiplies the cotangent by ``scale`` (``check=False``)."""
-
-    @staticmethod
-    def forward(x, scale):
-        with untracked():
-            return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.scale = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return ct * ctx.scale, None
-
-    @staticmethod
-    def jvp(ctx, x_t, _):  # the forward is the identity
-        return x_t.clone()
-
-    @staticmethod
-    def vmap(info, in_dims, x, scale):
-        return apply(_ScaleCotangent, x, scale), in_dims[0]
 
 
 _compile.hide_jvp(list(globals().values()))  # torch.compile traces Functions without a jvp

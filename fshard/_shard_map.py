@@ -17,12 +17,12 @@ import optree
 import torch
 
 from . import _buckets, _checks, _comm, _compile, _debug, _mesh, _spec, _stages, _static, _vma
-from ._buckets import DEFAULT_BUCKET_MB
+from ._buckets import DEFAULT_BUCKET_MB, _ScaleCotangent
 from ._checks import problems_report as _report
 from ._errors import ArgumentError, FshardError, SpecError
 from ._layout import Layout, bind
 from ._mesh import Mesh
-from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active, _ScaleCotangent
+from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active
 from ._primitives import apply as _apply
 from ._sharded import Sharded, _global_shape_of_blocks, _tiling, from_dtensor, relayout
 from ._spec import ANONYMOUS, Spec, parse_spec
@@ -524,7 +524,7 @@ def _localize(x, p: _InPlan, tr, mesh):
         return x
     if code == 1:  # GLOBAL, PER_RANK
         if p.slices:
-            if x.requires_grad and torch.is_grad_enabled():
+            if torch.is_grad_enabled() and _vma.may_need_grad(x):  # (also a tangent that needs one)
                 for d, g, tiled in p.groups:
                     x = _apply(LocalSlice, x, g, d, tiled)
             else:
@@ -543,7 +543,7 @@ def _localize(x, p: _InPlan, tr, mesh):
 
 
 def _vary_out(x, p: _OutPlan, tr):
-    if p.kind is OutKind.PASS or not p.allowed or not x.requires_grad:
+    if p.kind is OutKind.PASS or not p.allowed or not _vma.may_need_grad(x):
         return x
     v = _vma.get(x, tr)
     if p.allowed & ~v:
@@ -563,7 +563,7 @@ def _scale_unchecked(leaves: list, plans, tr) -> list:
     out = None
     sizes = tr.mesh.shape
     for i, (x, p) in enumerate(zip(leaves, plans)):
-        if p.kind is OutKind.PASS or not x.requires_grad:
+        if p.kind is OutKind.PASS or not _vma.may_need_grad(x):
             continue
         v = _vma.get(x, tr)
         extra = v & ~p.allowed

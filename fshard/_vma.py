@@ -38,11 +38,18 @@ from ._scalars import (
     _unwrap,
     _varying_axes_text,
     _varying_scalar,
+    differentiating,
     hidden_bits,
     needs_grad,
 )
 
 _Tensor = torch.Tensor
+
+
+def may_need_grad(t) -> bool:
+    """``t.requires_grad``, or under a transform `needs_grad` (also a tangent that needs one)."""
+    return t.requires_grad or (differentiating() and needs_grad(t))
+
 
 _compiling = _compile.compiling
 
@@ -282,9 +289,8 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
 
 
 class PvaryInput(torch.autograd.Function):
-    """`Pvary` of a shard_map input outside the gradient buckets (``bucket_mb=0``): the backward's
-    all-reduce carries the input's key path in its tags, so that ranks whose ``f`` used different
-    inputs (a branch on the rank) raise instead of summing one input's gradient with another's."""
+    """`Pvary` of a shard_map input outside the gradient buckets (``bucket_mb=0``): the backward's all-reduce
+    carries the input's key path in its tags (ranks whose ``f`` used different inputs raise, not sum them)."""
 
     @staticmethod
     def forward(x, g, path):
@@ -302,8 +308,8 @@ class PvaryInput(torch.autograd.Function):
         return _comm.all_reduce(ct, ctx.g, what=f"the gradient of {ctx.path}"), None, None
 
     @staticmethod
-    def jvp(ctx, x_t, *_):  # (forward-mode AD outside torch.func: the identity, as Pvary's)
-        return x_t.view_as(x_t)
+    def jvp(ctx, x_t, *_):  # (forward-mode AD outside torch.func: the cast, as Pvary's)
+        return apply(Pvary, x_t, ctx.g)
 
 
 def _drop_casts(tr: Trace, x) -> None:
@@ -421,7 +427,7 @@ class VmaMode(TorchFunctionMode):
                         v = t[1]
                     else:  # untagged or stale: invariant, unless a torch.func transform hides a tag
                         v = _hidden(a, tr)
-                    if a.requires_grad or (_functorch_active() and needs_grad(a)):
+                    if a.requires_grad or (differentiating() and needs_grad(a)):
                         low &= v
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
@@ -431,7 +437,7 @@ class VmaMode(TorchFunctionMode):
                                 v = t[1]
                             else:
                                 v = _hidden(b, tr)
-                            if b.requires_grad or (_functorch_active() and needs_grad(b)):
+                            if b.requires_grad or (differentiating() and needs_grad(b)):
                                 low &= v
                         elif type(b) in _CARRIERS:
                             v = _scan(b, tid)
