@@ -133,7 +133,8 @@ def psum_later(x, axis, tr):
         g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
         out = empty(x.shape, x, _PsumT(g))
         key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled(), False)
-        nbytes = out.numel() * out.element_size()
+        with untracked():  # the result is not tagged yet: no mode (an fs.switch branch's guard) may see it
+            nbytes = out.numel() * out.element_size()
     finally:
         release(tr, held)
     push(tr, key, g, x, out, 0, nbytes)
@@ -170,7 +171,8 @@ def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
             torch.is_grad_enabled(),
             _reshard.active() and x.requires_grad,  # gathered again in the backward
         )
-        nbytes = out.numel() * out.element_size()
+        with untracked():  # the result is not tagged yet: no mode (an fs.switch branch's guard) may see it
+            nbytes = out.numel() * out.element_size()
     finally:
         release(tr, held)
     push(tr, key, g, x, out, dim, nbytes)

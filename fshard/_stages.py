@@ -493,6 +493,9 @@ def switch(index, branches, *operands):
     uneven, ragged = tr.uneven, tr.ragged  # a data-dependent shape in one branch is known to its ranks only
     with _BranchGuard(tr, bits, union, i), _watchdog.anonymous_sites():  # branches differ by rank
         out = branches[i](*operands)
+        # the collectives the branch queued (fshard/_combine.py) run now, inside it (as every rank's
+        # branch issued them, without call sites), and its results are filled before they leave it
+        _vma.current("switch")
     tr.uneven, tr.ragged = uneven, ragged
     leaves, otreedef = optree.tree_flatten(out)
     others = union & ~bits

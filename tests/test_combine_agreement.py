@@ -5,12 +5,15 @@ buffer, whose size depends on what that rank queued. A rank that skips one of tw
 all_gather, or runs an all_gather where its peers psum, must end with the same `CollectiveError` on
 every rank of the group within seconds (never a hang, never gloo fed buffers of different sizes),
 with combining on and off, with ``FSHARD_DESYNC_TAGS`` at ``reduce`` and ``all``, and under
-``fs.debug()``, on 2x2 and 2x2x2 meshes; the groups that agree get the values of plain torch.
+``fs.debug()``, on 2x2 and 2x2x2 meshes; the groups that agree get the values of plain torch. And a
+pipeline whose ``fs.switch`` branches call collectives over tp gives the loss and gradients of one
+process with combining on and off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ import torch
 
 import fshard as fs
 from tests.conftest import run_ranks
-from tests.helpers import env_vars
+from tests.helpers import assert_ok, close, env_vars
 
 HERE = os.path.basename(__file__)
 BOUND = 60.0  # seconds for a whole job of cases (each error ends at once: no timeout is waited for)
@@ -238,3 +241,120 @@ def test_a_rank_that_disagrees_raises_on_every_rank_of_its_group_in_every_mode(s
                     f"fshard: the ranks of the group over {over} ({ranks_text}) ran different collectives "
                     "together:\n"
                 ), key
+
+
+# -- fs.switch over pp whose branches call collectives over tp ------------------------------------
+
+D, H, MB, M = 4, 6, 3, 3
+DT = torch.float64
+
+
+def _stage_params(s):
+    g = torch.Generator().manual_seed(40 + s)
+    return {
+        "w1": torch.randn(H, D, generator=g, dtype=DT) * 0.5,  # used transposed
+        "w2": torch.randn(H, D, generator=g, dtype=DT) * 0.5,
+    }
+
+
+def _run_stage(s, n, t, p, xs, carry):
+    i = t - s
+    zero_h, zero_l, zero_a = (
+        torch.zeros(MB, D, dtype=DT),
+        torch.zeros((), dtype=DT),
+        torch.zeros(MB, H, dtype=DT),
+    )
+    if not 0 <= i < M:
+        return zero_h, zero_l, zero_a
+    h = xs[i] if s == 0 else carry
+    # column-parallel w1, row-parallel w2 (a psum over tp), and w1's activations gathered over tp
+    a = torch.tanh(h @ p["w1"].T)
+    full = fs.all_gather(a, "tp", dim=1, tiled=True, invariant=True)
+    h = h + fs.psum(a @ p["w2"], "tp") + torch.tanh(full).mean(1, keepdim=True)
+    act = fs.all_gather(a, "tp", dim=1, tiled=True)  # a queued result, returned by the branch as it is
+    if s < n - 1:
+        return h, zero_l, act
+    # a queued psum as the branch's result (h is the same on every tp rank: a share of it each)
+    return zero_h, fs.psum((h * h).sum() / fs.axis_size("tp"), "tp"), act
+
+
+def _pipeline(p, xs):
+    n, stage = fs.axis_size("pp"), fs.axis_index("pp")
+    branches = [functools.partial(_run_stage, s, n) for s in range(n)]
+    carry = torch.zeros(MB, D, dtype=DT)
+    total = torch.zeros((), dtype=DT)
+    for t in range(M + n - 1):
+        h, loss, act = fs.switch(stage, branches, t, p, xs, carry)
+        total = total + loss + torch.sin(act).mean()
+        if t < M + n - 2:
+            carry = fs.ppermute(h, "pp", [(k, k + 1) for k in range(n - 1)])
+    return fs.pmean(fs.psum(total, "pp"), "tp")  # the same on every tp rank, tagged varying over tp
+
+
+def _reference(n, xs):
+    params = [{k: v.clone().requires_grad_() for k, v in _stage_params(s).items()} for s in range(n)]
+    x = xs.clone().requires_grad_()
+    total = torch.zeros((), dtype=DT)
+    for i in range(M):
+        h = x[i]
+        for p in params:
+            a = torch.tanh(h @ p["w1"].T)
+            h = h + a @ p["w2"] + torch.tanh(a).mean(1, keepdim=True)
+            total = total + torch.sin(a).mean()
+        total = total + (h * h).sum()
+    grads = torch.autograd.grad(total, [x, *[v for p in params for v in p.values()]])
+    return (
+        total.detach(),
+        grads[0],
+        [dict(zip(p, grads[1 + 2 * s : 3 + 2 * s])) for s, p in enumerate(params)],
+    )
+
+
+def _psum_in_branch_0(x):
+    return fs.psum(x * 1.0, "pp")  # a queued psum over the index's axis, the branch's result as it is
+
+
+def _psum_in_branch_1(x):
+    y = x * 2.0
+    return fs.psum(y, "pp")  # the same collective, from another line
+
+
+def _psums_in_branches(x):
+    return fs.switch(fs.axis_index("pp"), [_psum_in_branch_0, _psum_in_branch_1], x)
+
+
+def _rank_switch_over_tp(shape):
+    mesh = fs.Mesh(**shape)
+    n = mesh.axis_size("pp")
+    xs = torch.randn(M, MB, D, generator=torch.Generator().manual_seed(9), dtype=DT)
+    want_loss, want_dx, want = _reference(n, xs)
+    s = mesh.axis_index("pp")
+    specs = ("(tp h) d", None)
+    errs: list[str] = []
+    x = torch.arange(12.0, dtype=DT)  # stage s holds block s
+    for comb in ("1", "0"):  # every branch psums over pp alike (other scales): one sum, x0 + 2 x1
+        with env_vars(FSHARD_COMBINE=comb):
+            try:
+                got = fs.shard_map(_psums_in_branches, mesh=mesh, in_specs="(pp n)", out_specs="(pp n)")(x)
+                close(errs, f"combine={comb} psum in branches", got.local, x[:6] + 2 * x[6:], DT)
+            except fs.FshardError as err:
+                errs.append(f"FSHARD_COMBINE={comb}: psum in branches: {type(err).__name__}: {err}")
+    for comb in ("1", "0"):
+        params = fs.PerRank.build(mesh, "pp", [functools.partial(_stage_params, j) for j in range(n)])
+        step = fs.shard_map(_pipeline, mesh=mesh, in_specs=specs, out_specs="")
+        with env_vars(FSHARD_COMBINE=comb):
+            try:
+                loss, (g, gx) = fs.value_and_grad(step, argnums=(0, 1))(params, xs)
+            except fs.FshardError as err:
+                errs.append(f"FSHARD_COMBINE={comb}: {type(err).__name__}: {err}")
+                continue
+        close(errs, f"combine={comb} loss", loss, want_loss, DT)
+        close(errs, f"combine={comb} input gradient", gx, want_dx, DT)
+        for name in ("w1", "w2"):  # this stage's whole gradients (the tp blocks gathered)
+            close(errs, f"combine={comb} stage {s} {name} gradient", g.tree[name], want[s][name], DT)
+    return errs
+
+
+@pytest.mark.parametrize("n,shape", [(4, {"pp": 2, "tp": 2})], ids=["pp2xtp2"])
+def test_switch_branches_with_collectives_over_tp_match_one_process(n, shape):
+    assert_ok(run_ranks(n, _rank_switch_over_tp, shape))
