@@ -134,7 +134,8 @@ def psum_later(x, axis, tr):
         g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
         out = empty(x.shape, x, _PsumT(g))
         key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled(), False)
-        nbytes = out.numel() * out.element_size()
+        with untracked():  # the result is not tagged yet: no mode (an fs.switch branch's guard) may see it
+            nbytes = out.numel() * out.element_size()
     finally:
         release(tr, held)
     push(tr, key, g, x, out, 0, nbytes)
@@ -171,7 +172,8 @@ def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
             torch.is_grad_enabled(),
             _reshard.active() and x.requires_grad,  # gathered again in the backward
         )
-        nbytes = out.numel() * out.element_size()
+        with untracked():  # the result is not tagged yet: no mode (an fs.switch branch's guard) may see it
+            nbytes = out.numel() * out.element_size()
     finally:
         release(tr, held)
     push(tr, key, g, x, out, dim, nbytes)
@@ -202,7 +204,20 @@ def _issued_level():
 class Bucket:
     """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
 
-    __slots__ = ("key", "g", "items", "nbytes", "site", "launched", "fill", "ids", "outs", "early", "gathers")
+    __slots__ = (
+        "key",
+        "g",
+        "items",
+        "nbytes",
+        "site",
+        "launched",
+        "fill",
+        "ids",
+        "outs",
+        "early",
+        "gathers",
+        "members",
+    )
 
     def __init__(self, key, g, site):
         self.key = key
@@ -216,6 +231,7 @@ class Bucket:
         self.outs: list | None = None  # the results, launched and not yet filled
         self.early: Early | None = None  # their gradients' reduce-scatter, run early (all_gather)
         self.gathers: _reshard.Gathers | None = None  # fs.reshard_after_forward: gathered again
+        self.members: tuple = ()  # once launched: what every rank must agree it holds (`agreed`)
 
     def launch(self) -> None:
         """Start the bucket's calls as one coalesced collective (recording its autograd node);
@@ -230,6 +246,14 @@ class Bucket:
         dims = tuple(d for _, _, d in self.items)
         self.launched = True
         self.outs = outs
+        # its size depends on what this rank queued: the ranks agree on its members before it is sent
+        self.members = (
+            kind,
+            bool(tiled),
+            bool(invariant),
+            str(xs[0].dtype),
+            tuple((tuple(x.shape), d) for x, d in zip(xs, dims)),
+        )
         if kind == "all_gather" and grad and not invariant and ahead():
             self.early = Early(self.g, dims, tiled, len(xs))
         self.items = []  # the operands are packed: only the fill holds the results
@@ -243,6 +267,22 @@ class Bucket:
         finally:
             _watch.S.site = None
         _comm.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
+
+    def agreed(self):
+        """What the ranks agree on before the collective is sent (its tags carry it: ranks whose
+        buckets differ raise the same `CollectiveError` instead of sending buffers of different
+        sizes), and its description in that error."""
+        kind, tiled, _, _, members = self.members
+
+        def what() -> str:
+            if kind == "all_gather":
+                shown = ", ".join(f"{shape} at dim {d}" for shape, d in members)
+            else:
+                shown = ", ".join(str(shape) for shape, _ in members)
+            calls = f"{len(members)} call{'s' if len(members) != 1 else ''}"
+            return f"combining {calls} of {'tiled ' if tiled else ''}{kind}: {shown}"
+
+        return self.members, what
 
     def wait(self) -> None:
         """Wait for the launched collective and fill the results (once)."""
@@ -478,7 +518,7 @@ class AllGatherInto(torch.autograd.Function):
     def forward(g, dims, tiled, invariant, bucket, n, *args):
         xs, outs = args[:n], args[n:]
         shapes = [x.shape for x in xs]
-        handle = _comm.all_gather_start(_pack(xs), g)  # [N, total]; row i from index i
+        handle = _comm.all_gather_start(_pack(xs), g, *bucket.agreed())  # [N, total]; row i from index i
 
         def fill():
             blocks = handle.wait()
@@ -530,7 +570,7 @@ class AllReduceInto(torch.autograd.Function):
     def forward(g, bucket, n, *args):
         xs, outs = args[:n], args[n:]
         sizes = [x.numel() for x in xs]
-        handle = _comm.all_reduce_start_(_pack(xs), g)
+        handle = _comm.all_reduce_start_(_pack(xs), g, *bucket.agreed())
 
         def fill():
             buf = handle.wait()

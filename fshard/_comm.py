@@ -324,6 +324,19 @@ def _tag_check(tags: torch.Tensor | None, rec: tuple | None, g: AxisGroup) -> No
         _watch.check_gathered_tags(_wait(tags, rec).tolist(), rec, g, tags.device)  # type: ignore[arg-type]
 
 
+def _agree(t: torch.Tensor, g: AxisGroup, salt, what) -> None:
+    """Before the data of the collective just issued (a combined one, whose size depends on what each
+    rank queued): its tags, with ``salt`` (what it holds), all-reduced in a buffer of a fixed size
+    and compared, so that ranks whose buckets differ raise the same `CollectiveError` instead of
+    sending buffers of different sizes (see ``_watchdog.agree``). Off with the tags
+    (``FSHARD_DESYNC_TAGS=0``), off the CPU, and under ``fs.debug`` (which checked it already)."""
+    if salt is None or _watch.S.check or not _watch.S.tags or t.device.type != "cpu" or not _real(g):
+        return
+    rec = issued()
+    if rec is not None:
+        _watch.agree(rec, g, t.device, salt, what)
+
+
 def _name(g: AxisGroup) -> str:
     """The name of the group's ProcessGroup, by which the functional ops find it."""
     name = g.pg_name  # a plain string: torch.compile reads it as a constant
@@ -567,17 +580,19 @@ def _permute_compiled(t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: l
     return Handle((), lambda: result)
 
 
-def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:
-    """Start `all_gather_blocks`; the handle's ``wait()`` returns ``[size, *t.shape]``."""
+def all_gather_start(t: torch.Tensor, g: AxisGroup, agree=None, what=None) -> Handle:
+    """Start `all_gather_blocks`; the handle's ``wait()`` returns ``[size, *t.shape]``. With
+    ``agree`` (what a combined collective holds), the ranks first agree on it (`_agree`)."""
     with untracked():
         t = t.contiguous()
         if g.size == 1:
             blocks = t.unsqueeze(0)
             return Handle((), lambda: blocks)
         if not _compiling() and (how := _wire.plan(g, t, "move")) is not None:  # its bytes
-            inner = all_gather_start(_wire.to_wire(t, how), g)
+            inner = all_gather_start(_wire.to_wire(t, how), g, agree, what)
             return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how, (g.size, *t.shape)))
-        with _issue("all_gather", g, t):
+        with _issue("all_gather", g, t, agree, what):
+            _agree(t, g, agree, what)
             out = _launch(_ALL_GATHER, t.reshape(-1), g.size, _name(g))
             tags = _tag_start(t, g)
         rec = issued()
@@ -662,18 +677,20 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
                 _tag_check(tags, rec, g)
 
 
-def all_reduce_start_(t: torch.Tensor, g: AxisGroup) -> Handle:
+def all_reduce_start_(t: torch.Tensor, g: AxisGroup, agree=None, what=None) -> Handle:
     """Start the sum over the group of the flat buffer ``t`` (owned by the caller, reduced in place
     unless it carries tags); the handle's ``wait()`` returns the sum. Eager only (the combined
-    collectives of ``_combine``, never queued while torch.compile traces)."""
+    collectives of ``_combine``, never queued while torch.compile traces). With ``agree`` (what
+    the combined collective holds), the ranks first agree on it (`_agree`), which its tags carry too."""
     with untracked():
         if g.size == 1:
             return Handle((), lambda: t)
         if (how := _wire.plan(g, t, "sum")) is not None:  # a dtype the backend does not reduce
-            inner = all_reduce_start_(_wire.to_wire(t, how), g)
+            inner = all_reduce_start_(_wire.to_wire(t, how), g, agree, what)
             return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how))
-        with _issue("all_reduce", g, t):
-            rec, tags = _reduce_tags(t, g, "sum")
+        with _issue("all_reduce", g, t, agree, what):
+            _agree(t, g, agree, what)
+            rec, tags = _reduce_tags(t, g, "sum", agree)
             n = t.numel()
             if tags is not None:  # the data and its tags in one buffer, as `all_reduce` sends them
                 buf = torch.empty(n + len(tags), dtype=t.dtype, device=t.device)
@@ -691,7 +708,7 @@ def all_reduce_start_(t: torch.Tensor, g: AxisGroup) -> Handle:
                 with _below_autograd():
                     _watch.wait(_WAIT, rec, out)
                 if tags is not None:
-                    _watch.check_reduced_tags(t[n:].tolist(), tags, g.size, "sum", rec, g, t.device)
+                    _watch.check_reduced_tags(t[n:].tolist(), tags, g.size, "sum", rec, g, t.device, what)
                 return t[:n]
 
         return Handle((), finish)

@@ -525,6 +525,9 @@ def switch(index, branches, *operands):
     allowed = union if typed is None else -1  # (typed by the branches: their traces saw every tensor)
     with _BranchGuard(tr, bits, allowed, i), _watchdog.anonymous_sites():  # branches differ by rank
         out = branches[i](*operands)
+        # the collectives the branch queued (fshard/_combine.py) run now, inside it (as every rank's
+        # branch issued them, without call sites), and its results are filled before they leave it
+        _vma.current("switch")
     tr.uneven, tr.ragged = uneven, ragged
     tr.shapes_differ = True  # the branches' results may differ in shape from one index to the next
     leaves, otreedef = optree.tree_flatten(out)
