@@ -197,43 +197,77 @@ def tag(t, tr: Trace, bits: int):
     return t
 
 
+def _version(t, tr: Trace):
+    """``t``'s version counter, or None in a compiled call (Dynamo cannot read it; there the in-place
+    rule drops the twins instead, `_drop_twins`)."""
+    return None if tr.compiled else t._version
+
+
+def _twin_entry(tr: Trace, t):
+    """``t``'s twins entry, if ``t`` is still the value the entry was made for (an in-place op on
+    it, or on a tensor it is a view of, since then makes the twin stale: it is cast with Pvary)."""
+    hit = tr.twins.get(id(t))
+    if hit is None or hit[0] is not t or (hit[5] is not None and hit[5] != t._version):
+        return None
+    return hit
+
+
+def twin_entry(visible, twin, index: int, state, derivation=None, version=None) -> list:
+    """A twins entry: ``visible`` (what f sees), its ``twin`` (None until derived), the input's
+    ``index`` at its boundary and the boundary's ``state``; ``derivation``: ``(source entry, func,
+    args, kwargs)``, the twin being ``func`` of the source's twin; ``version``: ``visible``'s
+    version counter when the entry was made (None: compiled)."""
+    return [visible, twin, index, state, derivation, version]
+
+
 def _derive_twin(tr: Trace, func, args, kwargs, out) -> None:
     """``out`` is an invariant function of one tensor behind a GradBoundary (``w.T``, ``w[:s]``,
     ``w.to(bf16)``, ``w * 2``): register the same function of that tensor's twin, made only if
     ``out`` is ever cast with pvary. Its gradient then reaches the twin unreduced and is summed
-    in the bucket: exact, since the function is the same on every rank (so is its transpose)."""
+    in the bucket: exact, since the function is the same on every rank (so is its transpose).
+
+    An op that returned one of its operands (``w.to(w.device)``, ``w.float()`` of a float,
+    ``w.contiguous()`` of a contiguous one, ``w.requires_grad_()``) made nothing new: the
+    operand keeps its own entry (a tensor is never derived from itself)."""
     src = None
     for a in args:
         if isinstance(a, _Tensor):
-            hit = tr.twins.get(id(a))
-            if hit is not None and hit[0] is a:
+            if a is out:
+                return
+            hit = _twin_entry(tr, a)
+            if hit is not None:
                 if src is not None:
                     return  # two tensors behind the boundary: their gradients stay separate
-                src = a
+                src = hit
     if src is None:
         return
     # Any other operand that needs a gradient would get the twin path's unreduced cotangent.
     for a in (*args, *(kwargs.values() if kwargs else ())):
         if isinstance(a, _Tensor):
-            if a is not src and a.requires_grad:
+            if a is out or (a is not src[0] and a.requires_grad):
                 return
         elif type(a) is list or type(a) is tuple:
-            if any(isinstance(b, _Tensor) and b.requires_grad for b in a):
+            if any(isinstance(b, _Tensor) and (b is out or b.requires_grad) for b in a):
                 return
-    if src is not None:
-        base = tr.twins[id(src)]
-        tr.twins[id(out)] = [out, None, base[2], base[3], (src, func, args, kwargs)]
+    tr.twins[id(out)] = twin_entry(out, None, src[2], src[3], (src, func, args, kwargs), _version(out, tr))
 
 
-def _twin_of(tr: Trace, entry) -> torch.Tensor:
+def _twin_of(entry) -> torch.Tensor:
     """The twin of a twins entry, derived (and kept) on first use."""
     if entry[1] is None:
         src, func, args, kwargs = entry[4]
-        base = _twin_of(tr, tr.twins[id(src)])
-        args = tuple(base if a is src else a for a in args)
+        base = _twin_of(src)
+        args = tuple(base if a is src[0] else a for a in args)
         with untracked():
             entry[1] = func(*args, **kwargs) if kwargs else func(*args)
     return entry[1]
+
+
+def _drop_twins(tr: Trace, x) -> None:
+    """``x`` was just changed in place (compiled calls: no version counter to read): forget its
+    twin, and those derived from tensors since none can tell whether they view ``x``."""
+    for k in [k for k, e in tr.twins.items() if e[0] is x or e[4] is not None]:
+        del tr.twins[k]
 
 
 def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
@@ -258,12 +292,12 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         out = apply(Pvary, x, g)
         tag(out, tr, have | missing)
         return out
-    twin = tr.twins.get(id(x)) if tr.twins else None
-    if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
+    twin = _twin_entry(tr, x) if tr.twins else None
+    if twin is not None and twin[3].groups[twin[2]] in (None, g):
         # a tensor behind a GradBoundary (or an invariant function of one): its twin is the
         # cast, and its gradient is reduced in the boundary's buckets
         twin[3].groups[twin[2]] = g
-        out = _twin_of(tr, twin)
+        out = _twin_of(twin)
     else:
         path = tr.inputs.get(id(x)) if tr.inputs else None
         if path is not None:
@@ -323,6 +357,35 @@ def _cast_args(seq, tr: Trace, union: int):
         else:
             out.append(a)
     return out
+
+
+def _own(out, args, kwargs):
+    """``out``, or a view of it if the op returned one of its operands (``w.to(x.device)``,
+    ``w.float()`` of a float, ``w.contiguous()`` of a contiguous one, ``w.type_as(x)``): the result
+    is tagged with the union of the operands' axes, which must not retag the operand itself (an
+    invariant ``w`` would then count as varying, and its uses after the op would go uncast)."""
+    if isinstance(out, _Tensor):
+        return out.view_as(out) if _takes_tensor(out, args, kwargs) else out
+    if isinstance(out, (tuple, list)) and any(
+        isinstance(o, _Tensor) and _takes_tensor(o, args, kwargs) for o in out
+    ):
+        return type(out)(
+            o.view_as(o) if isinstance(o, _Tensor) and _takes_tensor(o, args, kwargs) else o for o in out
+        )
+    return out
+
+
+def _takes_tensor(t, args, kwargs) -> bool:
+    """Whether ``t`` itself is among the operands (or in a list or tuple of them)."""
+    for seq in (args, kwargs.values()) if kwargs else (args,):
+        for a in seq:
+            if a is t:
+                return True
+            if type(a) is list or type(a) is tuple:
+                for b in a:
+                    if b is t:
+                        return True
+    return False
 
 
 def _tag_out(out, tr: Trace, bits: int):
@@ -466,18 +529,19 @@ class VmaMode(TorchFunctionMode):
                 kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
         out = func(*args, **kwargs) if kwargs else func(*args)
         if union:  # also covers `p.grad`: a gradient varies like its primal
-            if isinstance(out, _Tensor):
-                setattr(out, _ATTR, (tid, union))
-                if _is_wrapped(out):
-                    _tag_wrapped(out, (tid, union))
-            else:
+            if kind is _INPLACE:
+                if args and isinstance(args[0], _Tensor):
+                    setattr(args[0], _ATTR, (tid, union))
                 out = _tag_out(out, tr, union)
-            if kind is _INPLACE and args and isinstance(args[0], _Tensor):
-                setattr(args[0], _ATTR, (tid, union))
+            else:
+                out = _tag_out(_own(out, args, kwargs), tr, union)
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
-        if kind is _INPLACE and tr.compiled and tr.pvary_cache and args and isinstance(args[0], _Tensor):
-            _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
+        if kind is _INPLACE and tr.compiled and args and isinstance(args[0], _Tensor):
+            if tr.pvary_cache:
+                _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
+            if tr.twins and args[0].requires_grad:
+                _drop_twins(tr, args[0])  # (eager: the twins entries hold the version they were made at)
         return out
 
 
