@@ -181,3 +181,42 @@ def _names(dtype=None):
 @pytest.mark.parametrize(("world", "axes"), [(2, 1), (4, 1), (4, 2)])
 def test_ops_returning_their_operand_against_one_process(world, axes):
     assert_ok(run_ranks(world, _rank_ops, axes, _names(), timeout=110))
+
+
+def _rank_operand_keeps_its_axes(bucket_mb):
+    """An op that returns its invariant operand while another operand varies (``w.type_as(x)``,
+    ``w.to(x)``) under ``torch.no_grad()``, or on a tensor that needs no gradient: the operand
+    stays invariant (it was tagged varying, so that the uses of ``w`` after it went uncast and its
+    gradient was not summed over the ranks, and an invariant output of ``c`` was refused)."""
+    import fshard as fs
+
+    errs: list[str] = []
+    w, b, x, z, c = _inputs(F64)
+    kw = {} if bucket_mb == "default" else {"bucket_mb": bucket_mb}
+
+    def f(w, x, c):
+        with torch.no_grad():
+            w.type_as(x)  # (results that vary over dp: a norm for logging, say)
+            w.to(x)
+        c.type_as(x)
+        c.to(x)
+        return fs.pmean((x * w).pow(2).sum(), "dp"), c.sum()
+
+    step = fs.shard_map(f, mesh=fs.Mesh(dp=2), in_specs=("...", "(dp r) d", "..."), out_specs=("", ""), **kw)
+    for combine in (1, 0):
+        wr = w.clone().requires_grad_()
+        with env_vars(FSHARD_COMBINE=combine):
+            loss, total = step(wr, x, c)
+        loss.backward()
+        W = w.clone().requires_grad_()
+        ref = (x * W).pow(2).sum() / 2
+        ref.backward()
+        close(errs, f"combine={combine}: loss", loss, ref, F64)
+        close(errs, f"combine={combine}: grad", wr.grad, W.grad, F64)
+        close(errs, f"combine={combine}: c.sum()", total, c.sum(), F64)
+    return errs
+
+
+@pytest.mark.parametrize("bucket_mb", ["default", None, 1 / 2**20])
+def test_an_operand_returned_keeps_its_axes(bucket_mb):
+    assert_ok(run_ranks(2, _rank_operand_keeps_its_axes, bucket_mb))
