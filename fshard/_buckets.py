@@ -56,7 +56,8 @@ from ._comm import untracked
 from ._errors import CollectiveError
 from ._mesh import AxisGroup
 from ._primitives import AllReduce, Pvary, _functorch_active, apply
-from ._vma import _version, tag, twin_entry
+from ._twins import _version, twin_entry
+from ._vma import tag
 
 __all__ = ["GradBoundary", "TwinTap", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync", "wrap"]
 

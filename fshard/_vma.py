@@ -41,6 +41,7 @@ from ._scalars import (
     hidden_bits,
     needs_grad,
 )
+from ._twins import _derive_twin, _drop_twins, _twin_entry, _twin_of
 
 _Tensor = torch.Tensor
 
@@ -197,79 +198,6 @@ def tag(t, tr: Trace, bits: int):
     return t
 
 
-def _version(t, tr: Trace):
-    """``t``'s version counter, or None in a compiled call (Dynamo cannot read it; there the in-place
-    rule drops the twins instead, `_drop_twins`)."""
-    return None if tr.compiled else t._version
-
-
-def _twin_entry(tr: Trace, t):
-    """``t``'s twins entry, if ``t`` is still the value the entry was made for (an in-place op on
-    it, or on a tensor it is a view of, since then makes the twin stale: it is cast with Pvary)."""
-    hit = tr.twins.get(id(t))
-    if hit is None or hit[0] is not t or (hit[5] is not None and hit[5] != t._version):
-        return None
-    return hit
-
-
-def twin_entry(visible, twin, index: int, state, derivation=None, version=None) -> list:
-    """A twins entry: ``visible`` (what f sees), its ``twin`` (None until derived), the input's
-    ``index`` at its boundary and the boundary's ``state``; ``derivation``: ``(source entry, func,
-    args, kwargs)``, the twin being ``func`` of the source's twin; ``version``: ``visible``'s
-    version counter when the entry was made (None: compiled)."""
-    return [visible, twin, index, state, derivation, version]
-
-
-def _derive_twin(tr: Trace, func, args, kwargs, out) -> None:
-    """``out`` is an invariant function of one tensor behind a GradBoundary (``w.T``, ``w[:s]``,
-    ``w.to(bf16)``, ``w * 2``): register the same function of that tensor's twin, made only if
-    ``out`` is ever cast with pvary. Its gradient then reaches the twin unreduced and is summed
-    in the bucket: exact, since the function is the same on every rank (so is its transpose).
-
-    An op that returned one of its operands (``w.to(w.device)``, ``w.float()`` of a float,
-    ``w.contiguous()`` of a contiguous one, ``w.requires_grad_()``) made nothing new: the
-    operand keeps its own entry (a tensor is never derived from itself)."""
-    src = None
-    for a in args:
-        if isinstance(a, _Tensor):
-            if a is out:
-                return
-            hit = _twin_entry(tr, a)
-            if hit is not None:
-                if src is not None:
-                    return  # two tensors behind the boundary: their gradients stay separate
-                src = hit
-    if src is None:
-        return
-    # Any other operand that needs a gradient would get the twin path's unreduced cotangent.
-    for a in (*args, *(kwargs.values() if kwargs else ())):
-        if isinstance(a, _Tensor):
-            if a is out or (a is not src[0] and a.requires_grad):
-                return
-        elif type(a) is list or type(a) is tuple:
-            if any(isinstance(b, _Tensor) and (b is out or b.requires_grad) for b in a):
-                return
-    tr.twins[id(out)] = twin_entry(out, None, src[2], src[3], (src, func, args, kwargs), _version(out, tr))
-
-
-def _twin_of(entry) -> torch.Tensor:
-    """The twin of a twins entry, derived (and kept) on first use."""
-    if entry[1] is None:
-        src, func, args, kwargs = entry[4]
-        base = _twin_of(src)
-        args = tuple(base if a is src[0] else a for a in args)
-        with untracked():
-            entry[1] = func(*args, **kwargs) if kwargs else func(*args)
-    return entry[1]
-
-
-def _drop_twins(tr: Trace, x) -> None:
-    """``x`` was just changed in place (compiled calls: no version counter to read): forget its
-    twin, and those derived from tensors since none can tell whether they view ``x``."""
-    for k in [k for k, e in tr.twins.items() if e[0] is x or e[4] is not None]:
-        del tr.twins[k]
-
-
 def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     """Cast ``x`` (varying over ``have``) to vary over ``want``; cached within the trace."""
     missing = want & ~have
@@ -336,8 +264,8 @@ class PvaryInput(torch.autograd.Function):
 
 def _drop_casts(tr: Trace, x) -> None:
     """Forget the pvary casts of ``x``, just changed in place (compiled calls)."""
-    i = id(x)
-    for key in [k for k in tr.pvary_cache if k[0] == i]:
+    # (by identity: Dynamo cannot compare the id of a tensor made in the graph with an input's)
+    for key in [k for k, hit in tr.pvary_cache.items() if hit[0] is x]:
         del tr.pvary_cache[key]
 
 
@@ -360,10 +288,9 @@ def _cast_args(seq, tr: Trace, union: int):
 
 
 def _own(out, args, kwargs):
-    """``out``, or a view of it if the op returned one of its operands (``w.to(x.device)``,
-    ``w.float()`` of a float, ``w.contiguous()`` of a contiguous one, ``w.type_as(x)``): the result
-    is tagged with the union of the operands' axes, which must not retag the operand itself (an
-    invariant ``w`` would then count as varying, and its uses after the op would go uncast)."""
+    """``out``, or a view of it if the op returned an operand (``w.to(x.device)``, ``w.type_as(x)``):
+    tagging it must not retag the operand (an invariant ``w`` would count as varying, and its
+    uses after the op would go uncast)."""
     if isinstance(out, _Tensor):
         return out.view_as(out) if _takes_tensor(out, args, kwargs) else out
     if isinstance(out, (tuple, list)) and any(
@@ -379,12 +306,8 @@ def _takes_tensor(t, args, kwargs) -> bool:
     """Whether ``t`` itself is among the operands (or in a list or tuple of them)."""
     for seq in (args, kwargs.values()) if kwargs else (args,):
         for a in seq:
-            if a is t:
+            if a is t or ((type(a) is list or type(a) is tuple) and any(b is t for b in a)):
                 return True
-            if type(a) is list or type(a) is tuple:
-                for b in a:
-                    if b is t:
-                        return True
     return False
 
 
@@ -583,6 +506,22 @@ _REFUSED = {  # what leaves tracking -> the message after "... varies over mesh 
         ".tolist() or .item(), which are tracked, or convert the output of the shard_map'd function",
     ),
 }
+
+
+def _view_attr(func, tr: Trace, args, kwargs):
+    """``x.T``, ``x.mT``, ``x.H``, ``x.mH``, ``x.real``, ``x.imag``, ``x.data``: the plain rule of an
+    op of one tensor. Compiled, a view of Dynamo's result: Dynamo names that by where it reads it
+    (``args[0].T``), so the pvary cache's ``id(x)`` guarded on an object the attribute makes anew
+    at each read, a guard that failed at once (``x @ w.T`` of a replicated ``w`` needing a grad)."""
+    out = func(*args, **kwargs)
+    if tr.compiled and isinstance(out, _Tensor):
+        out = out.view_as(out)
+    bits = _self_bits(tr, args)
+    if bits:
+        return _tag_out(_own(out, args, kwargs), tr, bits)
+    if tr.twins and isinstance(out, _Tensor) and out.requires_grad:
+        _derive_twin(tr, func, args, kwargs, out)
+    return out
 
 
 def _refuse_varying(func, tr: Trace, args, kwargs):
@@ -846,6 +785,7 @@ _HANDLERS = {
     f.__name__: f
     for f in (
         _autograd_grad,
+        _view_attr,
         _refuse_varying,
         _to_python,
         _iterate,

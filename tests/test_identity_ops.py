@@ -220,3 +220,45 @@ def _rank_operand_keeps_its_axes(bucket_mb):
 @pytest.mark.parametrize("bucket_mb", ["default", None, 1 / 2**20])
 def test_an_operand_returned_keeps_its_axes(bucket_mb):
     assert_ok(run_ranks(2, _rank_operand_keeps_its_axes, bucket_mb))
+
+
+def _body(w, b, x):
+    """Ops returning their operand, ``w.T`` used twice and ``w.mT`` (compiled: Dynamo named them
+    ``args[0].T``, and the pvary cache's identity check failed its own guard), an in-place op on
+    a function of ``w`` after ``w`` itself was cast (compiled: the in-place rule compared the id of
+    a tensor of the graph with the input's, which Dynamo refused); a sum over the rows of ``x``."""
+    h = x @ w + x @ w.to(x.device).contiguous().double().type_as(x)
+    h = h + x @ w.T + (x @ w.mT).pow(2) + (x @ w.T).sin()
+    h = h + x @ (w * 2).mul_(3) + b.requires_grad_()
+    return h.pow(2).sum()
+
+
+def _rank_compiled():
+    import fshard as fs
+
+    torch._dynamo.reset()
+    errs: list[str] = []
+    n = 2
+
+    def f(w, b, x):
+        return fs.pmean(_body(w, b, x), "dp") * n + 0.25 * (w.T * w).sum()
+
+    step = fs.shard_map(f, mesh=fs.Mesh(dp=n), in_specs=("...", "...", "(dp r) d"), out_specs="")
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    W, B, X = randn(5, D, D, dtype=F64) / 3, randn(6, D, dtype=F64) / 3, randn(7, ROWS, D, dtype=F64) / 2
+    w, b = W.clone().requires_grad_(), B.clone().requires_grad_()
+    ref = _body(w, b, X) + 0.25 * (w.T * w).sum()
+    ref_grads = torch.autograd.grad(ref, (w, b))
+    for name, fn in (("eager", step), ("compiled", compiled)):
+        for call in range(2):  # the second call runs the compiled graph its guards let through
+            w, b = W.clone().requires_grad_(), B.clone().requires_grad_()
+            loss = fn(w, b, X)
+            loss.backward()
+            close(errs, f"{name} call {call}: loss", loss, ref, F64)
+            close(errs, f"{name} call {call}: grad w", w.grad, ref_grads[0], F64)
+            close(errs, f"{name} call {call}: grad b", b.grad, ref_grads[1], F64)
+    return errs
+
+
+def test_compiled_against_eager_and_one_process():
+    assert_ok(run_ranks(2, _rank_compiled, timeout=110))
