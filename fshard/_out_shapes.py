@@ -8,7 +8,8 @@ shapes of their split outputs in one small all-gather for the whole call (`_comm
 and every rank then checks every rank's blocks alike: each output gets its global shape, or the
 same SpecError is raised on every rank, before any of the outputs' collectives. Even calls
 never come here (their blocks all have one shape, known from the plan), and compiled calls
-refuse uneven blocks at trace time.
+refuse uneven blocks at trace time; a call whose blocks are even until its out_specs
+reduce-scatter some unevenly knows every rank's shapes from its own (no exchange).
 
 Leaves of an `fs.PerRank` output may differ from one index of its axes to the next (even in
 structure), so theirs are exchanged over the other axes only, between the ranks that share
@@ -30,17 +31,28 @@ __all__ = ["agree", "ragged_error"]
 
 
 def agree(
-    name: str, mesh: Mesh, leaves, plans, split, label_sizes: dict, ragged: bool, per_rank: dict
+    name: str,
+    mesh: Mesh,
+    leaves,
+    plans,
+    split,
+    label_sizes: dict,
+    ragged: bool,
+    per_rank: dict,
+    exchange: bool,
 ) -> dict:
     """``{leaf index: global shape}`` for the outputs ``split`` (indices of the leaves whose plans
     make Sharded values), from every rank's block shapes; raises the same SpecError on every rank
     (of the group that exchanged them) when blocks are not torch.chunk's cut of one global value,
     or a partial sum's shape differs across the ranks that sum it. ``ragged``: an op in ``f`` gave
-    data-dependent shapes, so the inputs' dim sizes tell nothing about the outputs'."""
-    _compile.refuse(
-        f"fs.shard_map({name}) with outputs in uneven blocks",
-        "pad the outputs to a multiple of the mesh axes' sizes, or call it eagerly",
-    )
+    data-dependent shapes, so the inputs' dim sizes tell nothing about the outputs'. Without
+    ``exchange`` (a call whose blocks were all even until its outputs' reduce-scatters cut some
+    unevenly) every rank holds the shapes this rank holds, and nothing is communicated."""
+    if exchange:
+        _compile.refuse(
+            f"fs.shard_map({name}) with outputs in uneven blocks",
+            "pad the outputs to a multiple of the mesh axes' sizes, or call it eagerly",
+        )
     groups: dict[tuple[str, ...], list[int]] = {}
     for i in split:  # the world, or the axes other than an fs.PerRank value's own
         own = per_rank[i].axes if i in per_rank else ()
@@ -49,9 +61,12 @@ def agree(
     for axes, idx in groups.items():
         if not axes or all(mesh.shape[a] == 1 for a in axes):
             continue
-        g = mesh.axis_group(axes, "Sharded")
-        rows = _comm.gather_shapes([leaves[i] for i in idx], g, mesh.device)  # rows[member][k]
         coords = _members(mesh, axes)
+        if exchange:
+            g = mesh.axis_group(axes, "Sharded")
+            rows = _comm.gather_shapes([leaves[i] for i in idx], g, mesh.device)  # rows[member][k]
+        else:
+            rows = [[tuple(leaves[i].shape) for i in idx]] * len(coords)
         problems = []
         for k, i in enumerate(idx):
             shape, problem = _check(mesh, plans[i], coords, [r[k] for r in rows], label_sizes, ragged)

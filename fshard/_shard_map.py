@@ -326,7 +326,9 @@ class _ShardMapped(_static.Fixed):
             split = [i for i, p in enumerate(oplans) if p.kind is OutKind.SHARDED]
             if split:  # every rank's blocks checked alike, before the outputs' collectives
                 per_rank = _stages.per_rank_leaves(out)
-                shapes = agree(self.name, mesh, out_leaves, oplans, split, label_sizes, tr.ragged, per_rank)
+                shapes = agree(
+                    self.name, mesh, out_leaves, oplans, split, label_sizes, tr.ragged, per_rank, tr.uneven
+                )
         done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
         if shapes:
             for i, shape in shapes.items():
