@@ -11,7 +11,8 @@ as it should. Even calls exchange nothing.
   ``fs.debug()`` too: the full message on every rank; the same statistic with a dim label of its
   own is valid (values and gradients against one process).
 - A partial sum whose shape differs across the ranks that sum it; two wrong outputs in one call.
-- The cost: one all-gather of shapes for a call with several split outputs, none for an even call.
+- The cost: one all-gather of shapes for a call with several split outputs, none for an even call
+  (nor for even inputs whose out_spec reduce-scatters a partial sum into uneven blocks).
 """
 
 from __future__ import annotations
