@@ -57,6 +57,7 @@ from ._primitives import (
     ReduceScatterCoalesced,
     ReduceScatterDone,
     gather_operand,
+    pick,
     split_blocks,
 )
 from ._primitives import apply as _apply
@@ -154,7 +155,7 @@ def _prologue(x, axis, where: str):
         )
     g = tr.mesh.axis_group(axis, where)
     if tr.uneven and g.size > 1 and where not in _NO_SHAPE_CHECK:
-        _same_shapes(_shapes([x], g, where), g, where)
+        _same_shapes(_comm.gather_shapes([x], g, None, f"fs.{where}"), g, where)
     return tr, g, tr.mesh.bits(g.names), _vma.get(x, tr)
 
 
@@ -166,16 +167,10 @@ def _prologue(x, axis, where: str):
 # blocks that differ only along the gathered dim, gathers them unevenly.
 
 
-def _shapes(xs, g, where: str, paths=None) -> list[list[tuple[int, ...]]] | None:
-    """The shapes of ``xs`` at each index of ``g`` (one small all-gather), or None if all agree
-    (their dtypes must agree: see `_comm.gather_shapes`)."""
-    shapes = _comm.gather_shapes(xs, g, None, f"fs.{where}", paths)
-    return None if all(s == shapes[0] for s in shapes) else shapes
-
-
 def _same_shapes(shapes, g, where: str, paths=None) -> None:
-    """A CollectiveError (the same on every rank) when the operands' shapes differ across ``g``."""
-    if shapes is None:
+    """A CollectiveError (the same on every rank) when the operands' shapes (at each index of ``g``,
+    `_comm.gather_shapes`: one small all-gather) differ across ``g``."""
+    if all(s == shapes[0] for s in shapes):
         return
     ax = " ".join(g.names)
     k = next(k for k in range(len(shapes[0])) if any(s[k] != shapes[0][k] for s in shapes))
@@ -185,14 +180,14 @@ def _same_shapes(shapes, g, where: str, paths=None) -> None:
         f"fs.{where} over {ax}: the operand{at} has a different shape on different ranks of {ax} ({held}), "
         f"because an input of this call is split unevenly (torch.chunk's blocks); fs.{where} needs the same "
         f"shape on every rank. Pad the blocks to the largest (torch.nn.functional.pad) or reduce them to a "
-        f"shape that agrees (e.g. x.sum(0)) first; fs.all_gather(x, axis, dim, tiled=True) of one tensor "
-        f"accepts blocks that differ along dim"
+        f"shape that agrees (e.g. x.sum(0)) first; fs.all_gather(x, axis, dim, tiled=True) (of a tensor or "
+        f"a pytree) accepts blocks that differ along dim"
     )
 
 
-def _tree_prologue(tree, axis, where: str):
+def _tree_prologue(tree, axis, where: str, check: bool = True):
     """The trace, axis group, axis bits, tensor leaves and treedef of a pytree operand (whose
-    shapes must agree across ranks, in a call with uneven blocks)."""
+    shapes must agree across ranks, in a call with uneven blocks, when ``check``)."""
     tr = _vma.current(where)
     g = tr.mesh.axis_group(axis, where)
     leaves, treedef = optree.tree_flatten(tree)
@@ -207,25 +202,28 @@ def _tree_prologue(tree, axis, where: str):
             f"fs.{where} expects a torch.Tensor or a pytree of tensors, got {type(leaves[i]).__name__} "
             f"at {accessors[i].codify('x')}"
         )
-    if tr.uneven and g.size > 1 and leaves:
+    if check and tr.uneven and g.size > 1 and leaves:
         paths = [a.codify("x") for a in optree.tree_flatten_with_accessor(tree)[0]]
-        _same_shapes(_shapes(leaves, g, where, paths), g, where, paths)
+        _same_shapes(_comm.gather_shapes(leaves, g, None, f"fs.{where}", paths), g, where, paths)
     return tr, g, tr.mesh.bits(g.names), leaves, treedef
 
 
-def _uneven_tiling(x, g, dim: int, tiled: bool):
-    """``tiled`` for an all_gather in a call with uneven blocks: the block lengths along ``dim``
-    when the ranks' blocks differ only there (tiled), else ``tiled`` or an error."""
-    shapes = _shapes([x], g, "all_gather")
+def _uneven_tiling(x, g, dim: int, tiled: bool, shapes=None, k: int = 0, path=None):
+    """``tiled`` for an all_gather in a call with uneven blocks: the block lengths along ``dim`` when the
+    ranks' blocks differ only there (tiled), else ``tiled`` or an error (``shapes``: at each index, a
+    pytree's leaves' shapes, gathered once; ``x`` its leaf ``k`` at ``path``)."""
     if shapes is None:
+        shapes = _comm.gather_shapes([x], g, None, "fs.all_gather", None if path is None else [path])
+    col = [[s[k]] for s in shapes]
+    if all(s == col[0] for s in col):
         return tiled
     same_rest = all(
         len(s[0]) == x.dim() and s[0][:dim] + s[0][dim + 1 :] == x.shape[:dim] + x.shape[dim + 1 :]
-        for s in shapes
+        for s in col
     )
     if tiled and same_rest:
-        return tuple(s[0][dim] for s in shapes)
-    _same_shapes(shapes, g, "all_gather")
+        return tuple(s[0][dim] for s in col)
+    _same_shapes(col, g, "all_gather", None if path is None else [path])
     return tiled
 
 
@@ -496,7 +494,7 @@ def all_gather(
 
 
 def _all_gather_tree(tree, axis, dim, tiled, invariant):
-    tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, "all_gather")
+    tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, "all_gather", check=False)
     accessors = optree.tree_flatten_with_accessor(tree)[0]
     if isinstance(dim, int):
         per_leaf = [dim] * len(leaves)
@@ -518,18 +516,26 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
             for x, d in zip(leaves, dims)
         ]
         return optree.tree_unflatten(treedef, queued)
+    tiling = tiled  # per leaf where some leaf's blocks are uneven (as the per-leaf form gathers them)
+    if tr.uneven and g.size > 1 and leaves:  # one small all-gather of every leaf's shape
+        paths = [a.codify("x") for a in accessors]
+        shapes = _comm.gather_shapes(leaves, g, None, "fs.all_gather", paths)
+        tiling = tuple(
+            _uneven_tiling(x, g, d, tiled, shapes, k, paths[k]) for k, (x, d) in enumerate(zip(leaves, dims))
+        )
+        tiling = tiled if all(t is tiled for t in tiling) else tiling
     vs = [_vma.get(x, tr) for x in leaves]
     xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]
     out = list(xs)
     for _, idx in _by_dtype(xs, range(len(xs))).items():
+        sub, ts = tuple(dims[i] for i in idx), pick(tiling, idx)
         if len(idx) == 1:
-            i = idx[0]
-            ys = (_apply(AllGatherInvariant if invariant else AllGather, xs[i], g, dims[i], tiled),)
+            one = ts[0] if type(ts) is tuple else ts
+            ys = (_apply(AllGatherInvariant if invariant else AllGather, xs[idx[0]], g, sub[0], one),)
         else:
-            sub = tuple(dims[i] for i in idx)
-            ys = _apply(AllGatherCoalesced, g, sub, tiled, invariant, *[xs[i] for i in idx])
+            ys = _apply(AllGatherCoalesced, g, sub, ts, invariant, *[xs[i] for i in idx])
         if _reshard.active():
-            _reshard.gather_again_many(ys, [xs[i] for i in idx], g, [dims[i] for i in idx], tiled, invariant)
+            _reshard.gather_again_many(ys, [xs[i] for i in idx], g, list(sub), ts, invariant)
         for i, y in zip(idx, ys):
             out[i] = y
     for y, v in zip(out, vs):

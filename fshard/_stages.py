@@ -384,8 +384,8 @@ def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey, uneven: bo
     """fs.debug's output check, with the trees inside PerRank outputs compared only between the
     ranks that share their index (they may differ from one index to the next). In a call with
     ``uneven`` blocks (inputs cut unevenly) the outputs' numbers of dims are compared, not their
-    sizes, which differ by design; the stitching finds the global shapes (a block torch.chunk's cut
-    does not make raises a SpecError on the rank that holds it)."""
+    sizes, which differ by design; `_out_shapes` then checks every rank's blocks (a block that is
+    not torch.chunk's cut raises the same SpecError on every rank)."""
     tops, treedef = optree.tree_flatten(out, is_leaf=_is_per_rank)
     per_rank = [x for x in tops if isinstance(x, PerRank)]
     if not per_rank:
