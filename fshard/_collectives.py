@@ -41,6 +41,7 @@ from . import _combine, _comm, _reshard, _scalars, _vma
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
 from ._layout import chunk_sizes
+from ._operand_shapes import same_shapes, uneven_tiling
 from ._primitives import (
     AllGather,
     AllGatherCoalesced,
@@ -155,34 +156,8 @@ def _prologue(x, axis, where: str):
         )
     g = tr.mesh.axis_group(axis, where)
     if tr.uneven and g.size > 1 and where not in _NO_SHAPE_CHECK:
-        _same_shapes(_comm.gather_shapes([x], g, None, f"fs.{where}"), g, where)
+        same_shapes(_comm.gather_shapes([x], g, None, f"fs.{where}"), g, where)
     return tr, g, tr.mesh.bits(g.names), _vma.get(x, tr)
-
-
-# -- uneven blocks ----------------------------------------------------------------------------
-# In a call with an input split unevenly (torch.chunk's blocks), ranks may hold operands of
-# different shapes. A collective over such operands would fail on some ranks and wait forever
-# on others; so in such calls every collective first gathers its operands' shapes (one small
-# all-gather) and either raises the same error on every rank or, for a tiled all_gather of
-# blocks that differ only along the gathered dim, gathers them unevenly.
-
-
-def _same_shapes(shapes, g, where: str, paths=None) -> None:
-    """A CollectiveError (the same on every rank) when the operands' shapes (at each index of ``g``,
-    `_comm.gather_shapes`: one small all-gather) differ across ``g``."""
-    if all(s == shapes[0] for s in shapes):
-        return
-    ax = " ".join(g.names)
-    k = next(k for k in range(len(shapes[0])) if any(s[k] != shapes[0][k] for s in shapes))
-    held = "; ".join(f"index {i}: {s[k]}" for i, s in enumerate(shapes))
-    at = f" at {paths[k]}" if paths else ""
-    raise CollectiveError(
-        f"fs.{where} over {ax}: the operand{at} has a different shape on different ranks of {ax} ({held}), "
-        f"because an input of this call is split unevenly (torch.chunk's blocks); fs.{where} needs the same "
-        f"shape on every rank. Pad the blocks to the largest (torch.nn.functional.pad) or reduce them to a "
-        f"shape that agrees (e.g. x.sum(0)) first; fs.all_gather(x, axis, dim, tiled=True) (of a tensor or "
-        f"a pytree) accepts blocks that differ along dim"
-    )
 
 
 def _tree_prologue(tree, axis, where: str, check: bool = True):
@@ -204,27 +179,8 @@ def _tree_prologue(tree, axis, where: str, check: bool = True):
         )
     if check and tr.uneven and g.size > 1 and leaves:
         paths = [a.codify("x") for a in optree.tree_flatten_with_accessor(tree)[0]]
-        _same_shapes(_comm.gather_shapes(leaves, g, None, f"fs.{where}", paths), g, where, paths)
+        same_shapes(_comm.gather_shapes(leaves, g, None, f"fs.{where}", paths), g, where, paths)
     return tr, g, tr.mesh.bits(g.names), leaves, treedef
-
-
-def _uneven_tiling(x, g, dim: int, tiled: bool, shapes=None, k: int = 0, path=None):
-    """``tiled`` for an all_gather in a call with uneven blocks: the block lengths along ``dim`` when the
-    ranks' blocks differ only there (tiled), else ``tiled`` or an error (``shapes``: at each index, a
-    pytree's leaves' shapes, gathered once; ``x`` its leaf ``k`` at ``path``)."""
-    if shapes is None:
-        shapes = _comm.gather_shapes([x], g, None, "fs.all_gather", None if path is None else [path])
-    col = [[s[k]] for s in shapes]
-    if all(s == col[0] for s in col):
-        return tiled
-    same_rest = all(
-        len(s[0]) == x.dim() and s[0][:dim] + s[0][dim + 1 :] == x.shape[:dim] + x.shape[dim + 1 :]
-        for s in col
-    )
-    if tiled and same_rest:
-        return tuple(s[0][dim] for s in col)
-    _same_shapes(col, g, "all_gather", None if path is None else [path])
-    return tiled
 
 
 def _tree_map(fn, tree, axis, where: str):
@@ -462,7 +418,7 @@ def all_gather(
     dim = _norm_dim(dim, ndim, "all_gather")
     x = _vary(x, tr, v, bits)
     if tr.uneven and g.size > 1:
-        tiled = _uneven_tiling(x, g, dim, tiled)
+        tiled = uneven_tiling(x, g, dim, tiled)
     if async_op:
         if invariant:
             raise CollectiveError(
@@ -521,7 +477,7 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
         paths = [a.codify("x") for a in accessors]
         shapes = _comm.gather_shapes(leaves, g, None, "fs.all_gather", paths)
         tiling = tuple(
-            _uneven_tiling(x, g, d, tiled, shapes, k, paths[k]) for k, (x, d) in enumerate(zip(leaves, dims))
+            uneven_tiling(x, g, d, tiled, shapes, k, paths[k]) for k, (x, d) in enumerate(zip(leaves, dims))
         )
         tiling = tiled if all(t is tiled for t in tiling) else tiling
     vs = [_vma.get(x, tr) for x in leaves]

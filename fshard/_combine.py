@@ -50,7 +50,7 @@ from collections import deque
 
 import torch
 
-from . import _comm, _reshard, _vma
+from . import _comm, _counts, _reshard, _vma
 from . import _watchdog as _watch
 from ._comm import untracked
 from ._primitives import (
@@ -266,7 +266,7 @@ class Bucket:
                     apply(AllReduceInto, self.g, self, len(xs), *xs, *outs)
         finally:
             _watch.S.site = None
-        _comm.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
+        _counts.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
 
     def agreed(self):
         """What the ranks agree on before the collective is sent (its tags carry it: ranks whose
@@ -557,7 +557,7 @@ class AllGatherInto(torch.autograd.Function):
             if early is not None:  # some results got no gradient: the ones that did were kept
                 cts = early.merge(cts)
             grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
-            _comm.record_combined("reduce_scatter", g, n)
+            _counts.record_combined("reduce_scatter", g, n)
         return (None, None, None, None, None, None, *grads, *([None] * n))
 
 
@@ -633,7 +633,7 @@ class Early:
                 shapes = [p.shape[1:] for p in parts]
                 del parts
                 handle = _comm.reduce_scatter_start(buf, self.g)
-            _comm.record_combined("reduce_scatter", self.g, len(shapes))
+            _counts.record_combined("reduce_scatter", self.g, len(shapes))
             del buf
 
             def finish():

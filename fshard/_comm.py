@@ -1,6 +1,6 @@
-"""Raw communication on an `AxisGroup`, plus collective counting.
+"""Raw communication on an `AxisGroup`.
 
-Every byte fshard moves goes through a function here, so `count_collectives` sees
+Every byte fshard moves goes through a function here, so `count_collectives` (`_counts`) sees
 all of it (forward and backward). These functions know nothing of autograd or of
 varying-axes tracking; ``_collectives.py`` builds the differentiable primitives on them.
 All of them run with torch-function handling disabled so that shard_map's tracking mode
@@ -21,135 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (the ops' fake kernels, for tracing)
 
-from . import _errors, _inflight, _wire
+from . import _counts, _errors, _inflight, _wire
 from . import _watchdog as _watch
 from ._mesh import AxisGroup
 
-__all__ = ["count_collectives", "CollectiveCounts"]  # the public part; the rest is internal
-
-
-@dataclass
-class CollectiveCounts:
-    """What `count_collectives` saw: one ``(kind, axes, nbytes)`` record per call.
-
-    ``kind`` is one of ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
-    ``ppermute``, ``broadcast``, ``scatter``, ``gather``, ``reduce``; ``axes`` is the tuple of
-    mesh axes; ``nbytes`` is the size of the tensor each rank hands to the collective. A
-    ``ppermute`` is point-to-point: a rank records the bytes it sends (0 if it only receives),
-    and a rank that no pair involves issues nothing and records nothing. ``gather`` and
-    ``reduce`` (results on one rank) are recorded only by the ranks that take part.
-
-    Per-leaf ``fs.all_gather`` and ``fs.psum`` calls issued before their results are used run
-    combined, as one collective (see the debugging page): ``records`` has what went on the wire,
-    ``combined`` one ``(kind, axes, calls)`` record per combined collective, and ``calls`` the
-    number of user calls in all.
-
-    Examples:
-        >>> with fs.count_collectives() as counts:
-        ...     loss = step(params, batch)
-        >>> counts.total, counts.calls   # 2 collectives on the wire for 7 calls
-        (2, 7)
-    """
-
-    records: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
-    #: one ``(kind, axes, calls)`` record per combined collective: how many user calls (one leaf
-    #: each) it carries; see fshard's docs on combining. Its collective is also in ``records``.
-    combined: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
-
-    @property
-    def total(self) -> int:
-        """Number of collectives issued."""
-        return len(self.records)
-
-    @property
-    def bytes(self) -> int:
-        """Bytes handed to collectives by this rank."""
-        return sum(r[2] for r in self.records)
-
-    def by_kind(self) -> Counter:
-        """A Counter of ``(kind, axes)`` to number of calls."""
-        return Counter((k, a) for k, a, _ in self.records)
-
-    @property
-    def calls(self) -> int:
-        """Number of user calls the collectives carry: each combined collective counts the calls
-        it combined, every other collective one."""
-        return self.total + sum(n - 1 for _, _, n in self.combined)
-
-    def __repr__(self) -> str:
-        parts = [f"{k}{list(a)}: {n}" for (k, a), n in sorted(self.by_kind().items())]
-        calls = self.calls
-        more = f"; {calls} calls combined into {self.total}" if calls != self.total else ""
-        return f"CollectiveCounts({', '.join(parts) or 'none'}; {self.bytes} bytes{more})"
-
-
-_recorders: list[CollectiveCounts] = []
-compiled_counted = False
-"""True while an ``fs.compile``'d function runs with the inductor backend, whose graphs count their
-collectives themselves (``_graph_counts``): traced code then does not look at `_recorders`."""
-
-
-def counting_refused() -> bool:
-    """While Dynamo traces: whether a count is running that the graph would not count (plain
-    ``torch.compile``, or ``fs.compile`` with another backend than inductor)."""
-    return not compiled_counted and bool(_recorders)
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Count the collectives fshard issues inside the block, forward and backward.
-
-    Calls of functions compiled with ``fs.compile`` (inductor backend) are counted too: the
-    collectives of the graphs that run, after inductor's bucketing (``combined`` has each bucket
-    of several user calls). A shard_map call traced by plain ``torch.compile``, or by
-    ``fs.compile`` with another backend, inside the block raises a `TracingError`.
-
-    Yields:
-        CollectiveCounts: filled in as collectives run.
-
-    Examples:
-        >>> with fs.count_collectives() as counts:
-        ...     loss = step(params, batch)
-        ...     loss.backward()
-        >>> counts.by_kind()
-        Counter({('all_reduce', ('dp',)): 3})
-    """
-    rec = CollectiveCounts()
-    _recorders.append(rec)
-    try:
-        yield rec
-    finally:
-        _recorders.remove(rec)
-
-
-def _record(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
-    if _recorders:
-        item = (kind, g.names, t.numel() * t.element_size())
-        for r in _recorders:
-            r.records.append(item)
-
-
-def _record_traced(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
-    """`_record` while Dynamo traces: under plain torch.compile the trace is where a count sees the
-    call (Dynamo guards on the counts, so a call in a new count traces again); an ``fs.compile``'d
-    graph counts its collectives itself when it runs (``_graph_counts``)."""
-    if not compiled_counted:
-        _record(kind, g, t)
-
-
-def record_combined(kind: str, g: AxisGroup, calls: int) -> None:
-    """Note that the collective just recorded carries ``calls`` user calls (see `CollectiveCounts`)."""
-    if _recorders and g.size > 1:
-        item = (kind, g.names, calls)
-        for r in _recorders:
-            r.combined.append(item)
+__all__: list[str] = []  # internal (the counts: `_counts`)
 
 
 _profiling = torch.autograd._profiler_enabled
@@ -199,11 +80,11 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None):
     if _ABSTRACT[0]:
         raise Abstract(f"a {kind} over {', '.join(g.names)} while tracing for types only")
     if _compiling():  # a compiled graph shows the functional ops themselves
-        _record_traced(kind, g, t)
+        _counts.record_traced(kind, g, t)
         return _NO_SPAN
     if g.size > 1:  # gloo: the collectives still in flight over the group first (see _inflight)
         _inflight.drain(_name(g))
-    _record(kind, g, t)
+    _counts.record(kind, g, t)
     _watch.begin(kind, g, t, salt, what)
     if not _profiling():
         return _NO_SPAN
@@ -449,7 +330,7 @@ def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = t.contiguous()
-        _record_traced("all_gather", g, t)
+        _counts.record_traced("all_gather", g, t)
         out = _WAIT(_ALL_GATHER(t.reshape(-1), g.size, _name(g)))
         return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
 
@@ -457,7 +338,7 @@ def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _reduce_scatter_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = _to_blocks_order(t, g, inverse=False).contiguous()
-        _record_traced("reduce_scatter", g, t)
+        _counts.record_traced("reduce_scatter", g, t)
         return _WAIT(_REDUCE_SCATTER(t.reshape(-1), "sum", g.size, _name(g))).view(t.shape[1:])
 
 
@@ -809,9 +690,7 @@ def _kinds_differ(kinds: list, g: AxisGroup, where: str, path) -> str:
 def broadcast_object(objs: list, src: int) -> None:
     """``dist.broadcast_object_list`` over the world, counted as a broadcast."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        if _recorders:
-            for r in _recorders:
-                r.records.append(("broadcast", ("world",), 0))
+        _counts.record_world("broadcast")
         rec = _watch.begin("broadcast", _watch.world_group(), torch.empty(len(objs), dtype=torch.uint8))
         with _span("broadcast", ("world",), 0):
             _watch.wait(dist.broadcast_object_list, rec, objs, src=src)
@@ -826,9 +705,7 @@ def scatter(out: torch.Tensor, blocks: list | None, src: int) -> None:
             out.copy_(_wire.from_wire(wire, out.dtype, how, out.shape))
         return
     nbytes = out.numel() * out.element_size()
-    if _recorders:
-        for r in _recorders:
-            r.records.append(("scatter", ("world",), nbytes))
+    _counts.record_world("scatter", nbytes)
     rec = _watch.begin("scatter", _watch.world_group(), out)
     with _span("scatter", ("world",), nbytes):
         _watch.wait(dist.scatter, rec, out, blocks, src=src)

@@ -34,7 +34,7 @@ import contextlib
 
 import torch
 
-from . import _comm, _vma
+from . import _comm, _counts, _vma
 from ._comm import untracked
 from ._errors import ArgumentError
 from ._primitives import (
@@ -261,7 +261,7 @@ class Many:
     def start(self, xs):
         handle = _comm.all_gather_start(pack_operands(xs, self.dims, self.tiled), self.g)
         if self.contiguous:  # a combined bucket: the collective carries its calls again
-            _comm.record_combined("all_gather", self.g, len(xs))
+            _counts.record_combined("all_gather", self.g, len(xs))
         return handle
 
     def finish(self, handle, xs) -> list:

@@ -16,7 +16,7 @@ import math
 import optree
 import torch
 
-from . import _buckets, _checks, _comm, _compile, _debug, _mesh, _spec, _stages, _static, _vma
+from . import _buckets, _checks, _compile, _counts, _debug, _mesh, _spec, _stages, _static, _vma
 from ._buckets import DEFAULT_BUCKET_MB, _ScaleCotangent
 from ._checks import problems_report as _report
 from ._errors import ArgumentError, FshardError, SpecError
@@ -235,7 +235,7 @@ class _ShardMapped(_static.Fixed):
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             no_sync = not _buckets._sync or bool(_buckets._PENDING)
-            _compile.check_call(self.name, no_sync, _debug.enabled, _comm.counting_refused())
+            _compile.check_call(self.name, no_sync, _debug.enabled, _counts.counting_refused())
             key = None
             hit = _static.input_plan(self, leaves, treedef)  # the eager planning, a constant (_static)
         else:

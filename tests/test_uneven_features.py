@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fshard as fs
-from fshard import _comm
+from fshard import _comm, _counts
 from tests.conftest import run_ranks
 from tests.helpers import assert_ok, close, randn
 
@@ -130,9 +130,9 @@ def _shape_checks_apart():
     orig = _comm.gather_shapes
 
     def counted(xs, g, device=None):
-        before = [len(r.records) for r in _comm._recorders]
+        before = [len(r.records) for r in _counts._recorders]
         out = orig(xs, g, device)
-        for r, b in zip(_comm._recorders, before):
+        for r, b in zip(_counts._recorders, before):
             checks.extend(r.records[b:])
             del r.records[b:]
         return out
