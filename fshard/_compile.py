@@ -48,6 +48,7 @@ __all__ = [
     "fail",
     "hide_jvp",
     "mark_backward",
+    "keep_collectives_in_place",
     "next_id",
     "allow_cached",
 ]
@@ -126,6 +127,67 @@ def _mark(on: bool) -> bool:
     elif _marks:
         _marks.pop().close()
     return on
+
+
+def _keep_backward_collectives(graph) -> None:
+    """Inductor's joint-graph pass that keeps the collectives of a compiled backward in the
+    backward: each such node is tagged ``must_be_in_backward`` for the partitioner.
+
+    The min-cut partitioner computes in the forward whatever it can reach from the forward's
+    inputs alone. A backward collective whose operand does not depend on the incoming gradients
+    on some rank (a zero gradient block: ``fs.ppermute``'s source-only rank; a parameter that no
+    op of this rank used) would be moved into that rank's forward while the other ranks run it in
+    their backward: the ranks would pair different collectives (wrong values, or a hang). A
+    collective runs where the eager program runs it, on every rank."""
+    nodes = list(graph.nodes)
+    if not any(n.op == "placeholder" and "tangents" in str(n.target) for n in nodes):
+        return  # not a joint graph: nothing to partition
+    for node in nodes:
+        # AOT tags the nodes it traced for the forward "is_forward" (the backward's keep the
+        # metadata of the nodes they replay: none, or torch's mark of backward nodes)
+        if (
+            getattr(node.target, "namespace", None) == "_c10d_functional"
+            and node.meta.get("partitioner_tag") != "is_forward"
+        ):
+            node.meta["partitioner_tag"] = "must_be_in_backward"
+
+
+_KEEP: list = []  # the pass, made once (inductor's cache keys a pass by its uuid)
+
+
+@torch._dynamo.assume_constant_result  # run at trace time, not traced
+def keep_collectives_in_place() -> bool:
+    """Add `_keep_backward_collectives` to inductor's joint-graph passes (once; after any pass the
+    user set there), and turn inductor's peak-memory reordering off (see below), while Dynamo
+    traces a shard_map call: before inductor partitions and schedules the graph."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    if not _KEEP:
+
+        class KeepBackwardCollectives(CustomGraphPass):
+            __call__ = staticmethod(_keep_backward_collectives)
+
+            def uuid(self) -> str:
+                return "fshard.keep_backward_collectives.1"
+
+        _KEEP.append(KeepBackwardCollectives())
+    keep = _KEEP[0]
+    passes = config.joint_custom_pre_pass
+    listed = list(passes) if isinstance(passes, (list, tuple)) else [] if passes is None else [passes]
+    if keep not in listed:
+        config.joint_custom_pre_pass = [*listed, keep] if listed else keep
+    # Inductor's peak-memory reordering of the scheduler's nodes (torch 2.13) can run a kernel
+    # that reads an in-place collective's buffer (``all_reduce_`` then ``wait_tensor``, the
+    # lowering of every functional all-reduce) before the collective: seen in a 4-layer
+    # tensor-parallel residual stack's backward, whose layer-0 kernel summed layer 1's
+    # input-gradient block before its all-reduce over "tp" ran (the loss right, the early
+    # layers' gradients 15-65% off, different on the ranks of "tp"). Inductor picks the order
+    # of least estimated peak memory among a few sorts, so the bug comes and goes with the
+    # buffers' sizes and dtypes. Off while the graphs of a shard_map call are compiled: a
+    # memory heuristic, never a change of values.
+    config.reorder_for_peak_memory = False
+    return True
 
 
 _ids = itertools.count(1)

@@ -326,8 +326,9 @@ def restart_count() -> int:
         return 0
 
 
-def attempt_store(world_size: int) -> Any:
-    """The rendezvous store of this attempt, or None when ``env://`` already gives a fresh one.
+def attempt_store(rank: int, world_size: int, timeout: float | None) -> Any:
+    """Join this attempt's rendezvous store (see ``fshard._rendezvous.join``) and return the store
+    for the default process group.
 
     When the launcher hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun with the
     c10d or static rendezvous), that store outlives the ranks: after a restart it still holds the
@@ -336,21 +337,29 @@ def attempt_store(world_size: int) -> Any:
     refused" and fails the restart; which address it reads first is a race. Every attempt
     therefore joins under a prefix of its own (run id and restart count), so no key of a previous
     attempt is ever read. When rank 0 hosts the store (``python -m fshard.run``, which also picks
-    a new port per attempt), the store dies with the attempt and ``env://`` is used as is.
+    a new port per attempt), the store dies with the attempt; the process group's keys go under
+    ``default_pg/``, as with ``env://``.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
     import torch.distributed as dist
 
-    store = dist.TCPStore(
+    from . import _rendezvous
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    prefix = (
+        f"fshard/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{restart_count()}/" if agent else None
+    )
+    wait = max(timeout or 0.0, RENDEZVOUS_TIMEOUT)
+    store = _rendezvous.join(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
+        rank,
         world_size,
-        False,
-        timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT),
+        hosts_store=rank == 0 and not agent,
+        prefix=prefix,
+        timeout=wait,
+        store_timeout=timedelta(seconds=wait) if timeout else dist.distributed_c10d.default_pg_timeout,
     )
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return dist.PrefixStore(f"fshard/{run_id}/attempt_{restart_count()}/", store)
+    return store if agent else dist.PrefixStore("default_pg", store)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -373,6 +382,12 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
     one. A rank that finishes normally waits for the others to finish (up to 30 s, or half of
     ``timeout`` if that is shorter) before tearing the process group down.
 
+    The ranks join on a rendezvous store (hosted by rank 0, or by torchrun) that records which
+    job owns it (``TORCHELASTIC_RUN_ID`` and the world size): a rank that reaches another job's
+    store (the same ``--master-port`` given to two jobs) raises at once rather than joining that
+    job, which goes on undisturbed. Ctrl-C (SIGINT, SIGTERM) while a rank waits there for its
+    peers ends it at once, saying why in one line.
+
     Under a launcher (torchrun, ``python -m fshard.run``), a rank whose launcher dies (killed
     with ``SIGKILL``, say) exits within half a second with code 1, saying so on stderr, instead
     of waiting, orphaned, in a collective until its timeout.
@@ -393,7 +408,9 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
 
     Raises:
         FshardError: the environment is only partially configured, or holds non-integers, or
-            ``timeout`` or ``hang_report`` is not a positive number.
+            ``timeout`` or ``hang_report`` is not a positive number; or the port belongs to another
+            job, or the ranks did not all join within the rendezvous timeout (``timeout``, at
+            least 300 s).
 
     Examples:
         >>> import torch, torch.distributed as dist
@@ -444,10 +461,12 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
     if "nccl" in backend and "LOCAL_RANK" not in present:
         local_rank = rank % max(1, torch.cuda.device_count())
     _watch_launcher()
-    store = attempt_store(world_size)
-    if store is None:
-        init_process_group(backend, local_rank=local_rank, timeout=timeout)
-    else:
+    _install_failure_hook()  # a rank refused by the rendezvous records why, for its launcher
+    from . import _rendezvous
+
+    where = f"{present['MASTER_ADDR']}:{present['MASTER_PORT']}"
+    with _rendezvous.interruptible(rank, f"joining the job at {where}"):
+        store = attempt_store(rank, world_size, timeout)
         init_process_group(
             backend, local_rank=local_rank, timeout=timeout, store=store, rank=rank, world_size=world_size
         )
@@ -455,7 +474,6 @@ def init(backend: str | None = None, timeout: float | None = None, hang_report: 
     # Half the collective timeout: a rank that left early (sys.exit(3)) while its peers wait for
     # it in a collective gives up on them before they give up on it, so it is seen to fail first.
     _exit.barrier_timeout = min(EXIT_BARRIER_TIMEOUT, timeout / 2) if timeout else EXIT_BARRIER_TIMEOUT
-    _install_failure_hook()
     atexit.register(_shutdown_at_exit)
 
 

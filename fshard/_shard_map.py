@@ -16,14 +16,16 @@ import math
 import optree
 import torch
 
-from . import _buckets, _comm, _compile, _debug, _mesh, _shapes, _spec, _stages, _static, _vma
-from ._buckets import DEFAULT_BUCKET_MB
-from ._errors import ArgumentError, FshardError, SpecError, TracingError, report
+from . import _buckets, _checks, _compile, _counts, _debug, _mesh, _shapes, _spec, _stages, _static, _vma
+from ._buckets import DEFAULT_BUCKET_MB, _ScaleCotangent
+from ._checks import problems_report as _report
+from ._errors import ArgumentError, FshardError, SpecError
 from ._layout import Layout, bind
 from ._mesh import Mesh
-from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active, _ScaleCotangent
+from ._out_shapes import agree
+from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active
 from ._primitives import apply as _apply
-from ._sharded import Sharded, _global_shape_of_blocks, _tiling, from_dtensor, relayout
+from ._sharded import Sharded, _tiling, from_dtensor, relayout
 from ._spec import ANONYMOUS, Spec, parse_spec
 
 __all__ = ["shard_map"]
@@ -65,8 +67,12 @@ def shard_map(
             mark an unreduced partial sum, reduced on the way out (an all-reduce, or a
             reduce-scatter when the summed axis also splits a dim).
         check: check that each output is invariant over every mesh axis its out_spec
-            does not mention (before any communication, identically on every rank).
-            ``check=False`` takes such an output to be the same on every rank of those axes
+            does not mention, and varies over every axis its ``| sum(...)`` names (a value that
+            is the same on every rank of ``y`` is no partial sum over ``y``: summing its copies
+            would multiply it by ``y``'s size); before the outputs' communication, identically on
+            every rank. ``check=False`` sums a partial-sum output's copies as they are (``y``'s
+            size times the value, each rank's copy taken as one term), and takes an output
+            varying over an axis its out_spec replicates to be the same on every rank of those axes
             (its value is this rank's) and, as JAX's ``check_vma=False``, divides its
             gradient by the product of the sizes of the axes it is tracked as varying over
             but its out_spec replicates: each rank's copy sends its cotangent back through
@@ -158,12 +164,13 @@ class _InPlan:
 
 
 class _OutPlan:
-    __slots__ = ("kind", "layout", "allowed", "reduce", "scatter", "path", "spec", "uneven")
+    __slots__ = ("kind", "layout", "allowed", "summed", "reduce", "scatter", "path", "spec", "uneven")
 
     def __init__(self, kind: OutKind, layout=None, allowed=0, reduce=None, scatter=(), path="", spec=""):
         self.kind = kind
         self.layout = layout
         self.allowed = allowed  # vma bits the value may vary over
+        self.summed: tuple[str, ...] = ()  # the axes of its '| sum(...)': it must vary over them
         self.reduce = reduce  # AxisGroup for an all-reduce of partial axes, or None
         self.scatter = scatter  # ((dim, AxisGroup, tiled), ...) reduce-scatters
         self.path = path
@@ -228,7 +235,7 @@ class _ShardMapped(_static.Fixed):
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             no_sync = not _buckets._sync or bool(_buckets._PENDING)
-            _compile.check_call(self.name, no_sync, _debug.enabled, _comm.counting_refused())
+            _compile.check_call(self.name, no_sync, _debug.enabled, _counts.counting_refused())
             key = None
             hit = _static.input_plan(self, leaves, treedef)  # the eager planning, a constant (_static)
         else:
@@ -266,6 +273,8 @@ class _ShardMapped(_static.Fixed):
         versions = [] if compiling else [leaves[i]._version for i in global_idx]
         tr = _vma.Trace(mesh, self.name)
         tr.uneven = uneven
+        if self._per_rank:
+            tr.shapes_differ = treedef in self._per_rank  # fs.PerRank arguments (_stages)
         # (compiled: no buckets, also for fs.value_and_grad inside f; one all-reduce per input)
         tr.bucket_mb = self._bucket_mb if self._tracked and not compiling else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
@@ -291,7 +300,7 @@ class _ShardMapped(_static.Fixed):
         with tr:
             out = self.f(*local_args)
         if versions:
-            self._check_unmodified(leaves, plans, global_idx, versions, tr)
+            _checks.check_unmodified(self.name, leaves, plans, global_idx, versions, tr)
         out_leaves, out_treedef = optree.tree_flatten(out)
         okey = (
             None
@@ -314,16 +323,25 @@ class _ShardMapped(_static.Fixed):
         oplans, out_uneven = ohit
         if self._tracked:
             if self.check:
-                self._check_outputs(out_leaves, oplans, tr)
+                _checks.check_outputs(self.name, mesh, out_leaves, oplans, tr, OutKind.PASS)
             elif torch.is_grad_enabled():
                 out_leaves = _scale_unchecked(out_leaves, oplans, tr)
             if torch.is_grad_enabled():
-                # An output invariant over an axis its spec splits or sums over holds one copy
-                # per index: cast it to varying so its gradient sums over the copies.
+                # An output invariant over an axis its spec splits (or, under check=False, sums
+                # over) holds one copy per index: cast it to varying so its gradient sums over them.
                 out_leaves = [_vary_out(x, p, tr) for x, p in zip(out_leaves, oplans)]
-        done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
+        shapes = None
         if tr.uneven or out_uneven:  # (tr.uneven: also set by f's own collectives)
-            _global_shapes(done, oplans, mesh, label_sizes, tr.ragged, self.name)
+            split = [i for i, p in enumerate(oplans) if p.kind is OutKind.SHARDED]
+            if split:  # every rank's blocks checked alike, before the outputs' collectives
+                per_rank = _stages.per_rank_leaves(out)
+                shapes = agree(
+                    self.name, mesh, out_leaves, oplans, split, label_sizes, tr.ragged, per_rank, tr.uneven
+                )
+        done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
+        if shapes:
+            for i, shape in shapes.items():
+                done[i]._shape = shape
         return optree.tree_unflatten(out_treedef, done)
 
     # == planning ===========================================================================
@@ -467,6 +485,7 @@ class _ShardMapped(_static.Fixed):
             kind = OutKind.SHARDED if layout.is_split else OutKind.PLAIN
             plan = _OutPlan(kind, layout.reduced(), allowed, reduce, tuple(scatter), path, str(spec))
             plan.uneven = any(t is not True for _, _, t in scatter)
+            plan.summed = layout.partial
             plans.append(plan)
         per_rank = _stages.per_rank_leaves(out)
         if per_rank:  # leaves of fs.PerRank outputs: they may vary over its axes, returned as they are
@@ -474,67 +493,6 @@ class _ShardMapped(_static.Fixed):
         if problems:
             raise SpecError(_report(self.name, "out_specs", problems))
         return plans
-
-    # == error checking =====================================================================
-
-    def _check_unmodified(self, leaves, plans, global_idx, versions, tr) -> None:
-        """A plain global input changed in place inside f so that the ranks' copies now differ: a
-        block of it (each rank changed its own block), or all of it with a varying value. (An
-        update with the same value on every rank is plain torch behaviour and stays allowed.)"""
-        changed = [
-            plans[i].path
-            for i, v in zip(global_idx, versions)
-            if leaves[i]._version != v and (plans[i].slices or _vma.get(leaves[i], tr))
-        ]
-        if changed:
-            raise TracingError(
-                f"fs.shard_map({self.name}): f modified {', '.join(changed)} in place; "
-                f"{'it is' if len(changed) == 1 else 'they are'} (a block of) the global tensor you passed, "
-                f"so each rank changed its own copy and the ranks' copies now disagree; clone inside f "
-                f"(x = x.clone()) before updating, or pass an fs.Sharded value (fs.shard(x, mesh, spec)), "
-                f"whose block each rank owns and may update in place"
-            )
-
-    def _check_outputs(self, leaves, plans, tr):
-        problems = []
-        mesh = self.mesh
-        for x, p in zip(leaves, plans):
-            if p.kind is OutKind.PASS:
-                continue
-            extra = (_vma.get(x, tr) | _vma.taint_of(x, tr)) & ~p.allowed
-            if extra:
-                axes = mesh.names_of(extra)
-                ax = ", ".join(axes)
-                tup = repr(axes[0]) if len(axes) == 1 else repr(axes)
-                word = "axis" if len(axes) == 1 else "axes"
-                gathered = getattr(x, "_fshard_gathered", None)
-                if gathered is not None and set(axes) <= set(gathered):
-                    problems.append(
-                        f"{p.path} is an fs.all_gather over {ax}, which varies over {ax} (its gradient is "
-                        f"reduce-scattered back to each rank's block), but out_spec {p.spec!r} says it is "
-                        f"replicated over {ax}; gather with fs.all_gather(..., invariant=True) to return the "
-                        f"gathered value as replicated, or split a dim over {ax} in the out_spec and return "
-                        f"the block"
-                    )
-                    continue
-                problems.append(
-                    f"{p.path} varies over mesh {word} {ax} but out_spec {p.spec!r} says it is replicated "
-                    f"over {ax}; reduce it inside f (fs.psum / fs.pmean over {tup}), mark it as a "
-                    f"partial sum with '| sum({' '.join(axes)})', split a dim over {ax} in the "
-                    f"out_spec, or pass check=False if you know it is the same on every rank"
-                )
-        if problems:
-            msg = _report(self.name, "out_specs", problems, kind="replication check") + _vma.taint_note(tr)
-            drew = _vma.global_draw(tr)
-            if drew is not None:
-                msg += (
-                    f"\nf drew random numbers from torch's global generator ({drew}), which gives each rank "
-                    f"numbers of its own, so they vary over every mesh axis; draw them with fs.random, whose "
-                    f"streams agree across the axes a value is replicated over: fs.random.dropout(x, p, "
-                    f"seed=step) for dropout, or pass generator=fs.random.generator(seed, like=x) to "
-                    f"torch.rand, torch.randn, torch.bernoulli, Tensor.normal_ and the rest"
-                )
-            _compile.fail(SpecError, msg)
 
 
 # == eager evaluation =====================================================================
@@ -577,7 +535,7 @@ def _localize(x, p: _InPlan, tr, mesh):
         return x
     if code == 1:  # GLOBAL, PER_RANK
         if p.slices:
-            if x.requires_grad and torch.is_grad_enabled():
+            if torch.is_grad_enabled() and _vma.may_need_grad(x):  # (also a tangent that needs one)
                 for d, g, tiled in p.groups:
                     x = _apply(LocalSlice, x, g, d, tiled)
             else:
@@ -596,7 +554,7 @@ def _localize(x, p: _InPlan, tr, mesh):
 
 
 def _vary_out(x, p: _OutPlan, tr):
-    if p.kind is OutKind.PASS or not p.allowed or not x.requires_grad:
+    if p.kind is OutKind.PASS or not p.allowed or not _vma.may_need_grad(x):
         return x
     v = _vma.get(x, tr)
     if p.allowed & ~v:
@@ -616,7 +574,7 @@ def _scale_unchecked(leaves: list, plans, tr) -> list:
     out = None
     sizes = tr.mesh.shape
     for i, (x, p) in enumerate(zip(leaves, plans)):
-        if p.kind is OutKind.PASS or not x.requires_grad:
+        if p.kind is OutKind.PASS or not _vma.may_need_grad(x):
             continue
         v = _vma.get(x, tr)
         extra = v & ~p.allowed
@@ -639,68 +597,6 @@ def _finish(x, p: _OutPlan, mesh):
     if kind is OutKind.PLAIN:
         return x
     return Sharded._wrap(x, mesh, p.layout)
-
-
-def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict, ragged: bool, name: str) -> None:
-    """Give each Sharded output of a call with uneven blocks its global shape.
-
-    A split dim's global size is its label's size among the inputs, or the size a reduce-scatter
-    cut; for any other split dim the outputs' block shapes are gathered (one small all-gather
-    per such output; which outputs need it depends only on specs and input shapes, so every
-    rank takes the same path). In a ``ragged`` call (an op in f whose output shape depends on
-    the data met a varying operand) every split output's block shapes are gathered: blocks that
-    are torch.chunk's cut of a global value make a Sharded of that shape, others raise the same
-    SpecError on every rank.
-    """
-    for x, p in zip(done, plans):
-        if not isinstance(x, Sharded):
-            continue
-        layout, local = p.layout, x.local
-        if ragged:
-            if any(layout.dims):
-                x._shape = _global_shape_of_blocks(
-                    local, mesh, layout, functools.partial(_ragged_error, name, p)
-                )
-            continue
-        cut = {d: (t, g.size) for d, g, t in p.scatter if len(layout.dims[d]) == len(g.names)}
-        shape: list[int] = []
-        for d, axes in enumerate(layout.dims):
-            lab = layout.labels[d]
-            if not axes:
-                shape.append(local.shape[d])
-            elif d in cut:
-                t, n = cut[d]
-                shape.append(sum(t) if type(t) is tuple else local.shape[d] * n)
-            elif lab is not None and lab != ANONYMOUS and lab in label_sizes:
-                shape.append(label_sizes[lab])
-            else:  # a size no rank knows alone: gather the block shapes
-                break
-        if len(shape) != len(layout.dims):
-            x._shape = _global_shape_of_blocks(local, mesh, layout)
-            continue
-        want = layout.local_shape(shape, mesh.shape, mesh.coordinate)
-        if want != tuple(local.shape):
-            raise SpecError(
-                f"fs.shard_map: output {p.path} has local shape {tuple(local.shape)}, but out_spec {p.spec!r} "
-                f"with the inputs' dim sizes makes it a block of global shape {tuple(shape)}, which this rank "
-                f"holds as {want} (torch.chunk's cut); return the block the spec describes, or give the dim "
-                f"another label"
-            )
-        x._shape = torch.Size(shape)
-
-
-def _ragged_error(name: str, p, held: str) -> SpecError:
-    split = [d for d, axes in enumerate(p.layout.dims) if axes]
-    axes = [a for d in split for a in p.layout.dims[d]]
-    ax = axes[0] if len(axes) == 1 else "(" + " ".join(axes) + ")"
-    return SpecError(
-        f"fs.shard_map({name}): output {p.path} has blocks whose shapes depend on the data ({held}), and they "
-        f"are not the blocks torch.chunk cuts for out_spec {p.spec!r}, so they make no global value (an op in f "
-        f"such as x[mask], nonzero or unique gave each rank its own size); return a block padded to a fixed size "
-        f"with the count of its valid rows, or gather the blocks inside f with "
-        f"fs.all_gather(y, {ax!r}, dim={split[0]}, tiled=True, invariant=True) and return that with a replicated "
-        f"out_spec"
-    )
 
 
 # == helpers ==============================================================================
@@ -791,8 +687,3 @@ def _mismatch(specs, tree, spath: str, tpath: str) -> str | None:
 
 def _indent(text: str) -> str:
     return text.replace("\n", "\n    ")
-
-
-def _report(name: str, what: str, problems: list[str], kind: str | None = None) -> str:
-    n, kind = len(problems), f" ({kind})" if kind else ""
-    return report(f"fs.shard_map({name}): {n} problem{'s' if n != 1 else ''} with {what}{kind}", problems)

@@ -5,7 +5,8 @@ varying over some mesh axes (``"pp"``) and replicated over the others (``"dp"``)
 ``shard_map``'d function, its leaves reach ``f`` as they are (no slicing, no gathering), tagged as
 varying over those axes, so their gradients are never summed over them; returned from ``f``, the
 tree comes back as a `PerRank` value. `switch` runs this rank's branch of a list (one per stage)
-and tags what it returns as varying over the index's axes.
+and types what it returns by what every branch returns (each traced on fake tensors) and the
+index's axes, the same on every rank.
 
 Hooks used by ``_shard_map``: `per_rank_leaves`, `mark_inputs`, `mark_outputs`, `unwrap`,
 `debug_check_inputs`, `debug_check_outputs`.
@@ -13,8 +14,10 @@ Hooks used by ``_shard_map``: `per_rank_leaves`, `mark_inputs`, `mark_outputs`, 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
+import weakref
 from typing import Any
 
 import optree
@@ -109,6 +112,8 @@ class PerRank:
                 )
         if tr is None:
             _check_replicas(self)
+        else:
+            tr.shapes_differ = True  # each index's tree its own shapes (see switch's typing)
 
     @classmethod
     def build(cls, mesh: Mesh, axes, build) -> PerRank:
@@ -202,9 +207,14 @@ def _sig(obj) -> int:
 
 
 def _tree_sig(tree) -> int:
-    """A digest of a tree's structure and its leaves' shapes and dtypes."""
+    """A digest of a tree's structure and its leaves' shapes, dtypes and device types."""
     leaves, treedef = optree.tree_flatten(tree)
-    return _sig((treedef, [(tuple(x.shape), x.dtype) if isinstance(x, _Tensor) else type(x) for x in leaves]))
+    return _sig(
+        (
+            treedef,
+            [(tuple(x.shape), x.dtype, x.device.type) if isinstance(x, _Tensor) else type(x) for x in leaves],
+        )
+    )
 
 
 def _replica_axes(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -247,7 +257,7 @@ def _check_replicas(p: PerRank) -> None:
     if odd:
         raise SpecError(
             f"fs.PerRank: the ranks that hold the same index along {_axes_text(p.axes)} (the copies along "
-            f"{', '.join(map(repr, replicas))}) hold trees of different structure, shapes or dtypes "
+            f"{', '.join(map(repr, replicas))}) hold trees of different structure, shapes, dtypes or device types "
             f"({'; '.join(odd)}); a per-rank value is replicated over the other axes: build it the same way on "
             f"every rank of an index (e.g. fs.PerRank.build(mesh, {_axes_text(p.axes)}, [...]) with the same seeds)"
         )
@@ -374,8 +384,8 @@ def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey, uneven: bo
     """fs.debug's output check, with the trees inside PerRank outputs compared only between the
     ranks that share their index (they may differ from one index to the next). In a call with
     ``uneven`` blocks (inputs cut unevenly) the outputs' numbers of dims are compared, not their
-    sizes, which differ by design; the stitching finds the global shapes (a block torch.chunk's cut
-    does not make raises a SpecError on the rank that holds it)."""
+    sizes, which differ by design; `_out_shapes` then checks every rank's blocks (a block that is
+    not torch.chunk's cut raises the same SpecError on every rank)."""
     tops, treedef = optree.tree_flatten(out, is_leaf=_is_per_rank)
     per_rank = [x for x in tops if isinstance(x, PerRank)]
     if not per_rank:
@@ -411,9 +421,19 @@ def switch(index, branches, *operands):
 
     A Python ``if`` on ``fs.axis_index("pp")`` raises inside ``shard_map`` (each rank would take its
     own branch unseen by the tracking); ``switch`` is ``jax.lax.switch`` for per-rank code: each rank
-    runs only its own branch (eagerly), so branches may hold different layers with different shapes,
-    and what they return is tagged as varying over the index's axes. Inside branch ``s`` the stage
-    number is a plain Python constant (bind it with ``functools.partial`` or a default argument).
+    runs only its own branch (eagerly), so branches may hold different layers with different shapes.
+    Inside branch ``s`` the stage number is a plain Python constant (bind it with
+    ``functools.partial`` or a default argument).
+
+    What it returns is typed as JAX types a switch, by what the branches return: each output varies
+    over the axes that output of any branch varies over, and over the index's axes (ranks with
+    different indices return different branches' values). For that every branch is run once per
+    signature (the branches, the operands' structure, shapes, dtypes and varying axes) on fake
+    tensors, with no data, communication or gradient (its Python code runs). Where that cannot tell
+    (a branch that calls a collective, uses a data-dependent op such as ``.item()``, or returns
+    another structure; a call with ``fs.PerRank`` values, uneven blocks or an earlier switch on a
+    varying index, where a shape may differ from rank to rank) every output varies over the index's
+    axes and every axis an operand varies over.
 
     Rules, because each rank runs a different branch:
 
@@ -437,7 +457,7 @@ def switch(index, branches, *operands):
         *operands: pytrees passed to the chosen branch.
 
     Returns:
-        What the branch returned; tensors (and Python numbers) tagged as varying over the index's axes.
+        What the branch returned; tensors (and Python numbers) tagged as varying over the axes above.
 
     Raises:
         ArgumentError: for an index that is not an integer scalar, or out of range on this rank.
@@ -469,36 +489,53 @@ def switch(index, branches, *operands):
         "call the step eagerly, or branch outside the compiled function",
     )
     flat, treedef = optree.tree_flatten(operands)
-    # What the outputs vary over, the same on every rank whichever branch it runs (as JAX joins the
-    # branches' types): the index's axes and every axis an operand varies over.
-    union = bits
-    for x in flat:
-        union |= _vma.get(x, tr) if isinstance(x, _Tensor) else _scalars._scan(x, tr.id)
     grad = torch.is_grad_enabled()
     diff = [k for k, x in enumerate(flat) if isinstance(x, _Tensor) and x.requires_grad] if grad else []
+    masks = [_vma.get(x, tr) if isinstance(x, _Tensor) else _scalars._scan(x, tr.id) for x in flat]
+    union = bits
+    for k in diff:  # a differentiable operand varies over the index's axes in the branch (cast below)
+        masks[k] |= bits
+    for m in masks:
+        union |= m
+    # What the outputs vary over, the same on every rank whichever branch it runs (as JAX types a
+    # switch by what its branches return): each output leaf's join over every branch, each traced
+    # once per signature on fake tensors, and the index's axes (ranks with different indices return
+    # different branches' values). Where the branches cannot be traced so (see _branch_types): the
+    # index's axes and every axis an operand varies over, for every output.
+    typed = _branch_types(branches, flat, treedef, masks, tr, bits)
+    if typed is None:
+        for k in diff:
+            masks[k] = union
     token = None
     if diff:
-        # Each differentiable operand is cast to vary over every axis of the join (pvary: its
-        # gradient is summed over the axes it lacked; an input's sum goes in the call's gradient
-        # buckets, once per call however many switches and microbatches use it). Every cast
-        # happens on every rank, and _SwitchIn hands each operand a gradient on every rank, so the
-        # sums match up across ranks whichever branch used what.
+        # Each differentiable operand is cast to vary over the index's axes (and, typed by the
+        # operands, over every axis of the join): pvary, its gradient summed over the axes it
+        # lacked (an input's sum goes in the call's gradient buckets, once per call however many
+        # switches and microbatches use it). Every cast happens on every rank, and _SwitchIn hands
+        # each operand a gradient on every rank, so the sums match up across ranks whichever
+        # branch used what.
         for k in diff:
-            flat[k] = _vma.pvary(flat[k], tr, _vma.get(flat[k], tr), union)
+            flat[k] = _vma.pvary(flat[k], tr, _vma.get(flat[k], tr), masks[k])
         got = _apply(_SwitchIn, *[flat[k] for k in diff])
         for k, v in zip(diff, got[:-1]):
-            flat[k] = _vma.tag(v, tr, union)
+            flat[k] = _vma.tag(v, tr, masks[k])
         token = got[-1]
         operands = optree.tree_unflatten(treedef, flat)
     uneven, ragged = tr.uneven, tr.ragged  # a data-dependent shape in one branch is known to its ranks only
-    with _BranchGuard(tr, bits, union, i), _watchdog.anonymous_sites():  # branches differ by rank
+    allowed = union if typed is None else -1  # (typed by the branches: their traces saw every tensor)
+    with _BranchGuard(tr, bits, allowed, i), _watchdog.anonymous_sites():  # branches differ by rank
         out = branches[i](*operands)
+        # the collectives the branch queued (fshard/_combine.py) run now, inside it (as every rank's
+        # branch issued them, without call sites), and its results are filled before they leave it
+        _vma.current("switch")
     tr.uneven, tr.ragged = uneven, ragged
+    tr.shapes_differ = True  # the branches' results may differ in shape from one index to the next
     leaves, otreedef = optree.tree_flatten(out)
-    others = union & ~bits
+    types = [union] * len(leaves) if typed is None else _check_typed(typed, leaves, otreedef, tr, i)
     for k, x in enumerate(leaves):
         if isinstance(x, _Tensor) and grad and x.requires_grad:
             own = _vma.get(x, tr)
+            others = types[k] & ~bits
             if others & ~own:
                 # truly the same on the ranks along those axes (they run the same branch): a cast
                 # whose gradient sums over them, issued by all of them alike
@@ -512,8 +549,106 @@ def switch(index, branches, *operands):
         if fl:
             got = _apply(_SwitchOut, token, *[leaves[k] for k in fl])
             for k, v in zip(fl, got):
-                leaves[k] = _vma.tag(v, tr, union)
-    return _tag_outputs(optree.tree_unflatten(otreedef, leaves), tr, union)
+                leaves[k] = _vma.tag(v, tr, types[k])
+    return optree.tree_unflatten(otreedef, [_tag_leaf(x, tr, t) for x, t in zip(leaves, types)])
+
+
+_TYPES: collections.OrderedDict = collections.OrderedDict()
+_TYPES_SIZE = 64  # signatures whose branch types are kept (least recently used dropped first)
+
+
+def _branch_types(branches, flat, treedef, masks, tr, bits) -> tuple | None:
+    """``(output treedef, varying axes per output leaf)``: the join of what every branch returns on
+    the operands (leaf ``k`` varying over ``masks[k]``), traced on fake tensors, and the index's axes
+    ``bits``. Cached per signature (the branches, the operands' structure, shapes, dtypes and
+    masks). None where tracing cannot tell, and the operands type the outputs instead (sound: a
+    result varies over at most the index's and the operands' axes):
+
+    - a branch that cannot run on fake tensors (a data-dependent op: ``.item()``, ``nonzero``, ...),
+      that calls a collective (nothing is sent: the collective raises, `_comm.abstract`), or whose
+      output structure differs from another branch's;
+    - a call where a value's shape may differ from rank to rank (uneven or data-dependent blocks,
+      `PerRank` values, results of an earlier switch on a varying index): the branches would be
+      traced on each rank's own shapes, and could trace on some ranks and not on others, so the
+      ranks could disagree about the types. The decision reads only what every rank agrees on.
+    """
+    if tr.uneven or tr.ragged or tr.shapes_differ:
+        return None
+    key = refs = None
+    try:
+        desc = [
+            (tuple(x.shape), x.dtype, x.device, m) if isinstance(x, _Tensor) else (type(x), x, m)
+            for x, m in zip(flat, masks)
+        ]
+        key = (tuple(map(id, branches)), treedef, tuple(desc), tr.mesh._text, bits)
+        hash(key)
+        refs = [weakref.ref(b) for b in branches]
+    except TypeError:  # an operand that is not hashable, or a branch that takes no weak reference
+        key = None
+    if key is not None:
+        hit = _TYPES.get(key)
+        if hit is not None and all(r() is b for r, b in zip(hit[0], branches)):
+            _TYPES.move_to_end(key)
+            return hit[1]
+    got = _trace_branches(branches, flat, treedef, masks, tr, bits)
+    if key is not None:
+        _TYPES[key] = (refs, got)
+        if len(_TYPES) > _TYPES_SIZE:
+            _TYPES.popitem(last=False)
+    return got
+
+
+def _trace_branches(branches, flat, treedef, masks, tr, bits) -> tuple | None:
+    """Run every branch on fake stand-ins of the operands (no data, no communication, no gradient)
+    under the call's tracking, and join the varying axes of what they return; None if one fails."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved = tr.uneven, tr.ragged, tr.shapes_differ
+    otree, types = None, []
+    try:
+        with torch.no_grad(), _comm.abstract(), _watchdog.anonymous_sites():
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with untracked():
+                fakes = [mode.from_tensor(x) if isinstance(x, _Tensor) else x for x in flat]
+            for x, m in zip(fakes, masks):
+                if isinstance(x, _Tensor):
+                    _vma.tag(x, tr, m)
+            with mode:
+                for b in branches:
+                    leaves, od = optree.tree_flatten(b(*optree.tree_unflatten(treedef, fakes)))
+                    got = [
+                        _vma.get(x, tr) if isinstance(x, _Tensor) else _scalars._scan(x, tr.id)
+                        for x in leaves
+                    ]
+                    if otree is None:
+                        otree, types = od, [bits | v for v in got]
+                    elif od != otree:
+                        return None
+                    else:
+                        types = [t | v for t, v in zip(types, got)]
+    except Exception:  # not traceable so: typed by the operands
+        return None
+    finally:
+        tr.uneven, tr.ragged, tr.shapes_differ = saved
+    return otree, types
+
+
+def _check_typed(typed, leaves, otreedef, tr, i) -> list[int]:
+    """The types of branch ``i``'s outputs, as its trace found them (a branch that behaves otherwise
+    on its real operands than on fake ones, e.g. by the values, cannot be typed from its trace)."""
+    otree, types = typed
+    bad = otreedef != otree
+    for x, t in zip(leaves, types):
+        if not bad and isinstance(x, _Tensor) and _vma.get(x, tr) & ~t:
+            bad = True
+    if bad:
+        raise TracingError(
+            f"fs.switch in fs.shard_map({tr.where}): branch {i} returned a value whose structure or varying axes "
+            f"differ from what the same branch returned when traced on fake tensors of the operands' shapes (the "
+            f"branch depends on the operands' values, or on state that changed in between); make the branches "
+            f"return the same structure, varying over the same axes, whatever the values"
+        )
+    return types
 
 
 def _index_value(index, tr) -> tuple[int, int]:
@@ -539,27 +674,23 @@ def _index_value(index, tr) -> tuple[int, int]:
     )
 
 
-def _tag_outputs(out, tr, bits: int):
-    """Every tensor (and Python number) of ``out`` tagged as varying over ``bits`` as well (tensors
-    that lack them are tagged through a view, so tensors shared with other code keep their tags)."""
+def _tag_leaf(x, tr, bits: int):
+    """A tensor (or Python number) of the switch's output tagged as varying over ``bits`` as well (a
+    tensor that lacks them is tagged through a view, so tensors shared with other code keep their tags)."""
     if not bits:
-        return out
-
-    def one(x):
-        if isinstance(x, _Tensor):
-            have = _vma.get(x, tr)
-            if have & bits == bits:
-                return x
-            with untracked():
-                v = x.view_as(x)
-            return _vma.tag(v, tr, have | bits)
-        if isinstance(x, (int, float, _scalars.VaryingFloat)) and not isinstance(x, bool):
-            base = _scalars.plain(x)
-            base = int(base) if isinstance(base, int) else float(base)
-            return _scalars._varying_scalar(base, tr.id, bits | _scalars._scan(x, tr.id))
         return x
-
-    return optree.tree_map(one, out)
+    if isinstance(x, _Tensor):
+        have = _vma.get(x, tr)
+        if have & bits == bits:
+            return x
+        with untracked():
+            v = x.view_as(x)
+        return _vma.tag(v, tr, have | bits)
+    if isinstance(x, (int, float, _scalars.VaryingFloat)) and not isinstance(x, bool):
+        base = _scalars.plain(x)
+        base = int(base) if isinstance(base, int) else float(base)
+        return _scalars._varying_scalar(base, tr.id, bits | _scalars._scan(x, tr.id))
+    return x
 
 
 class _SwitchIn(torch.autograd.Function):

@@ -20,12 +20,12 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _compile, _shapes
+from . import _compile, _shapes
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
 from ._opkinds import _INPLACE, _PLAIN, _draws, _kind_of, _random_rule
-from ._primitives import AllReduce, Pvary, _functorch_active, apply
+from ._primitives import Pvary, PvaryInput, _functorch_active, apply
 from ._scalars import (
     _ATTR,
     _CARRIERS,
@@ -38,14 +38,22 @@ from ._scalars import (
     _varying_axes_text,
     _varying_scalar,
     compiled_branch,
+    differentiating,
     hidden_bits,
     needs_grad,
     taint,
     taint_note,  # noqa: F401  (for shard_map's replication check)
     taint_of,
 )
+from ._twins import _derive_twin, _drop_twins, _twin_entry, _twin_of
 
 _Tensor = torch.Tensor
+
+
+def may_need_grad(t) -> bool:
+    """``t.requires_grad``, or under a transform `needs_grad` (also a tangent that needs one)."""
+    return t.requires_grad or (differentiating() and needs_grad(t))
+
 
 _compiling = _compile.compiling
 
@@ -70,6 +78,7 @@ class Trace:
         "bucket_mb",
         "uneven",
         "ragged",
+        "shapes_differ",
         "queue",
         "pending",
         "compiled",
@@ -88,6 +97,8 @@ class Trace:
         # made while torch.compile traces: a constant of the trace, read on the per-op path
         # instead of calling torch.compiler.is_compiling() for every op
         self.compiled = _compiling()
+        if self.compiled:
+            _compile.keep_collectives_in_place()
         self._mode: VmaMode | None = None
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
@@ -99,6 +110,9 @@ class Trace:
         # a varying operand met an op whose output shape depends on the data (x[mask], nonzero,
         # unique, ...): the outputs' global shapes are found from their gathered block shapes
         self.ragged = False
+        # a value's shape may differ between ranks beyond uneven and ragged blocks: fs.PerRank values
+        # (each rank's own tree) and the results of fs.switch on a varying index (_stages)
+        self.shapes_differ = False
         # collectives issued and not yet run (`_combine.Queue`): flushed by the next torch op
         self.queue = None
         # flushed collectives whose results are not filled yet (`_combine.Flight`)
@@ -244,45 +258,6 @@ def _put(t, tr: Trace, bits: int):
     return t
 
 
-def _derive_twin(tr: Trace, func, args, kwargs, out) -> None:
-    """``out`` is an invariant function of one tensor behind a GradBoundary (``w.T``, ``w[:s]``,
-    ``w.to(bf16)``, ``w * 2``): register the same function of that tensor's twin, made only if
-    ``out`` is ever cast with pvary. Its gradient then reaches the twin unreduced and is summed
-    in the bucket: exact, since the function is the same on every rank (so is its transpose)."""
-    src = None
-    for a in args:
-        if isinstance(a, _Tensor):
-            hit = tr.twins.get(id(a))
-            if hit is not None and hit[0] is a:
-                if src is not None:
-                    return  # two tensors behind the boundary: their gradients stay separate
-                src = a
-    if src is None or out is src:  # (w.to(w.device), w.contiguous(): w itself, already registered)
-        return
-    # Any other operand that needs a gradient would get the twin path's unreduced cotangent.
-    for a in (*args, *(kwargs.values() if kwargs else ())):
-        if isinstance(a, _Tensor):
-            if a is not src and a.requires_grad:
-                return
-        elif type(a) is list or type(a) is tuple:
-            if any(isinstance(b, _Tensor) and b.requires_grad for b in a):
-                return
-    if src is not None:
-        base = tr.twins[id(src)]
-        tr.twins[id(out)] = [out, None, base[2], base[3], (src, func, args, kwargs)]
-
-
-def _twin_of(tr: Trace, entry) -> torch.Tensor:
-    """The twin of a twins entry, derived (and kept) on first use."""
-    if entry[1] is None:
-        src, func, args, kwargs = entry[4]
-        base = _twin_of(tr, tr.twins[id(src)])
-        args = tuple(base if a is src else a for a in args)
-        with untracked():
-            entry[1] = func(*args, **kwargs) if kwargs else func(*args)
-    return entry[1]
-
-
 def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     """Cast ``x`` (varying over ``have``) to vary over ``want``; cached within the trace."""
     missing = want & ~have
@@ -305,12 +280,12 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         out = apply(Pvary, x, g)
         tag(out, tr, have | missing)
         return out
-    twin = tr.twins.get(id(x)) if tr.twins else None
-    if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
+    twin = _twin_entry(tr, x) if tr.twins else None
+    if twin is not None and twin[3].groups[twin[2]] in (None, g):
         # a tensor behind a GradBoundary (or an invariant function of one): its twin is the
         # cast, and its gradient is reduced in the boundary's buckets
         twin[3].groups[twin[2]] = g
-        out = _twin_of(tr, twin)
+        out = _twin_of(twin)
     else:
         path = tr.inputs.get(id(x)) if tr.inputs else None
         if path is not None:
@@ -322,35 +297,10 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     return out
 
 
-class PvaryInput(torch.autograd.Function):
-    """`Pvary` of a shard_map input outside the gradient buckets (``bucket_mb=0``): the backward's
-    all-reduce carries the input's key path in its tags, so that ranks whose ``f`` used different
-    inputs (a branch on the rank) raise instead of summing one input's gradient with another's."""
-
-    @staticmethod
-    def forward(x, g, path):
-        with untracked():
-            return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.g, ctx.path = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, ct):
-        if torch.is_grad_enabled():  # double backward: as Pvary's
-            return apply(AllReduce, ct, ctx.g), None, None
-        return _comm.all_reduce(ct, ctx.g, what=f"the gradient of {ctx.path}"), None, None
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):  # (forward-mode AD outside torch.func: the identity, as Pvary's)
-        return x_t.view_as(x_t)
-
-
 def _drop_casts(tr: Trace, x) -> None:
     """Forget the pvary casts of ``x``, just changed in place (compiled calls)."""
-    i = id(x)
-    for key in [k for k in tr.pvary_cache if k[0] == i]:
+    # (by identity: Dynamo cannot compare the id of a tensor made in the graph with an input's)
+    for key in [k for k, hit in tr.pvary_cache.items() if hit[0] is x]:
         del tr.pvary_cache[key]
 
 
@@ -370,6 +320,30 @@ def _cast_args(seq, tr: Trace, union: int):
         else:
             out.append(a)
     return out
+
+
+def _own(out, args, kwargs):
+    """``out``, or a view of it if the op returned an operand (``w.to(x.device)``, ``w.type_as(x)``):
+    tagging it must not retag the operand (an invariant ``w`` would count as varying, and its
+    uses after the op would go uncast)."""
+    if isinstance(out, _Tensor):
+        return out.view_as(out) if _takes_tensor(out, args, kwargs) else out
+    if isinstance(out, (tuple, list)) and any(
+        isinstance(o, _Tensor) and _takes_tensor(o, args, kwargs) for o in out
+    ):
+        return type(out)(
+            o.view_as(o) if isinstance(o, _Tensor) and _takes_tensor(o, args, kwargs) else o for o in out
+        )
+    return out
+
+
+def _takes_tensor(t, args, kwargs) -> bool:
+    """Whether ``t`` itself is among the operands (or in a list or tuple of them)."""
+    for seq in (args, kwargs.values()) if kwargs else (args,):
+        for a in seq:
+            if a is t or ((type(a) is list or type(a) is tuple) and any(b is t for b in a)):
+                return True
+    return False
 
 
 def _tag_out(out, tr: Trace, bits: int):
@@ -463,7 +437,7 @@ class VmaMode(TorchFunctionMode):
                         v = t[1]
                     else:  # untagged or stale: invariant, unless a torch.func transform hides a tag
                         v = _hidden(a, tr)
-                    if a.requires_grad or (_functorch_active() and needs_grad(a)):
+                    if a.requires_grad or (differentiating() and needs_grad(a)):
                         low &= v
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
@@ -473,7 +447,7 @@ class VmaMode(TorchFunctionMode):
                                 v = t[1]
                             else:
                                 v = _hidden(b, tr)
-                            if b.requires_grad or (_functorch_active() and needs_grad(b)):
+                            if b.requires_grad or (differentiating() and needs_grad(b)):
                                 low &= v
                         elif type(b) in _CARRIERS:
                             v = _scan(b, tid)
@@ -519,18 +493,19 @@ class VmaMode(TorchFunctionMode):
         if given is not None and not tr.compiled:
             _shapes.propagate(func, tr, given[0], given[1] or {}, out)
         if union:  # also covers `p.grad`: a gradient varies like its primal
-            if isinstance(out, _Tensor):
-                setattr(out, _ATTR, (tid, union))
-                if _is_wrapped(out):
-                    _tag_wrapped(out, (tid, union))
-            else:
+            if kind is _INPLACE:
+                if args and isinstance(args[0], _Tensor):
+                    setattr(args[0], _ATTR, (tid, union))
                 out = _tag_out(out, tr, union)
-            if kind is _INPLACE and args and isinstance(args[0], _Tensor):
-                setattr(args[0], _ATTR, (tid, union))
+            else:
+                out = _tag_out(_own(out, args, kwargs), tr, union)
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
-        if kind is _INPLACE and tr.compiled and tr.pvary_cache and args and isinstance(args[0], _Tensor):
-            _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
+        if kind is _INPLACE and tr.compiled and args and isinstance(args[0], _Tensor):
+            if tr.pvary_cache:
+                _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
+            if tr.twins and args[0].requires_grad:
+                _drop_twins(tr, args[0])  # (eager: the twins entries hold the version they were made at)
         return out
 
 
@@ -562,6 +537,22 @@ _LEAVE = {  # a tensor's way out of tracking -> what the taint record calls it
     "__index__": "a Python index from",
     "numpy": ".numpy() of",
 }
+
+
+def _view_attr(func, tr: Trace, args, kwargs):
+    """``x.T``, ``x.mT``, ``x.H``, ``x.mH``, ``x.real``, ``x.imag``, ``x.data``: the plain rule of an
+    op of one tensor. Compiled, a view of Dynamo's result: Dynamo names that by where it reads it
+    (``args[0].T``), so the pvary cache's ``id(x)`` guarded on an object the attribute makes anew
+    at each read, a guard that failed at once (``x @ w.T`` of a replicated ``w`` needing a grad)."""
+    out = func(*args, **kwargs)
+    if tr.compiled and isinstance(out, _Tensor):
+        out = out.view_as(out)
+    bits = _self_bits(tr, args)
+    if bits:
+        return _tag_out(_own(out, args, kwargs), tr, bits)
+    if tr.twins and isinstance(out, _Tensor) and out.requires_grad:
+        _derive_twin(tr, func, args, kwargs, out)
+    return out
 
 
 def _refuse_varying(func, tr: Trace, args, kwargs):
@@ -784,6 +775,7 @@ _HANDLERS = {
     f.__name__: f
     for f in (
         _autograd_grad,
+        _view_attr,
         _refuse_varying,
         _to_python,
         _iterate,

@@ -17,8 +17,9 @@ If a rank exits with a non-zero code, the other ranks are terminated (SIGTERM, t
 few seconds) and the launcher exits with the code of the rank that failed first. A rank that
 called ``fs.init()`` and raised records its exception in ``TORCHELASTIC_ERROR_FILE`` before it
 exits: the launcher names that rank, and its exception, even when ranks that were waiting for it
-in a collective exit first. SIGINT/SIGTERM sent to the launcher are forwarded to the ranks (a
-second signal kills them).
+in a collective exit first. SIGINT/SIGTERM sent to the launcher are forwarded to the ranks, saying so
+in one line (a second signal kills them; so does the launcher, 10 s later). A rank that waits in
+``fs.init()``'s rendezvous (for a rank 0 slow to start, say) ends at once, saying why.
 
 With ``--max-restarts N``, a failed attempt is not the end: every rank is stopped, and after a
 short pause (1 s, doubling up to 30 s) all of them start again from the top of the script, on a
@@ -315,6 +316,14 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
             now = time.monotonic()
             if received and kill_at is None:
                 kill_at = now + _KILL_AFTER_SIGNAL
+                alive = sum(code is None for code in codes)
+                print(
+                    f"fshard.run: {signal.Signals(received[0]).name}: passed on to the {alive} running "
+                    f"rank(s); those still running in {_KILL_AFTER_SIGNAL:g} s will be killed (a second "
+                    "signal kills them now)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             verdict = None
             if blamed is None and not received and any(code not in (None, 0) for code in codes):
                 if first_failure is None:

@@ -41,6 +41,22 @@ def _cases(n: int):
             {},
             lambda W, X: blocks(X @ W).roll(1, 0).reshape(ROWS, D),  # block i goes to i + 1
         ),
+        # pairs that leave ranks out: a rank in no pair (or only sending, or only receiving)
+        # still joins the compiled all-to-all, else the others wait for it
+        "ppermute (one pair)": (
+            lambda w, x: fs.ppermute(x @ w, "dp", [(0, 1)]),
+            ("...", "(dp b) d"),
+            "(dp b) d",
+            {},
+            lambda W, X: torch.cat([torch.zeros(rows, D), blocks(X @ W)[0], torch.zeros(ROWS - 2 * rows, D)]),
+        ),
+        "ppermute (chain)": (
+            lambda w, x: fs.ppermute(x @ w, "dp", [(i, i + 1) for i in range(n - 1)]),
+            ("...", "(dp b) d"),
+            "(dp b) d",
+            {},
+            lambda W, X: torch.cat([torch.zeros(rows, D), (X @ W)[: ROWS - rows]]),
+        ),
         "all_to_all": (
             lambda w, x: fs.all_to_all(x @ w, "dp", 1, 0),
             ("...", "(dp b) d"),
@@ -138,7 +154,23 @@ def _rank_meshes(meshes, only=None):
     [
         # two meshes, one process: the second mesh's compiles retrace the first's code; every
         # case on the 2-axis mesh, three on the others (compiling is slow on a small machine)
-        (4, [{"dp": 4}, {"dp": 2, "tp": 2}], {"dp=4": ("ppermute", "pmean", "axis_index")}),
+        (
+            4,
+            [{"dp": 4}, {"dp": 2, "tp": 2}],
+            {
+                "dp=4": ("ppermute", "ppermute (one pair)", "ppermute (chain)", "pmean"),
+                "dp=2xtp=2": (
+                    "ppermute",
+                    "all_to_all",
+                    "psum_scatter",
+                    "all_gather (fsdp)",
+                    "pmean",
+                    "psum, check=False",
+                    "partial sum out",
+                    "axis_index",
+                ),
+            },
+        ),
         (
             8,
             [{"pp": 2, "dp": 2, "tp": 2}],
@@ -153,7 +185,7 @@ def test_compiled_collectives_match_one_process_on_every_mesh(world, meshes, onl
     for _, ops in got:
         for key, (graphs, names) in ops.items():
             assert graphs == 1, key  # fullgraph, traced once per function
-            if key.endswith(" ppermute"):
+            if key.endswith(" ppermute") or " ppermute (" in key:
                 # one all-to-all forward, one backward (the inverse ring); the gradients of the
                 # replicated weight (a psum) and of the global batch (its blocks gathered)
                 assert names == [
