@@ -751,4 +751,4 @@ def axis_size(axis) -> int:
         >>> n = fs.axis_size(("dp", "tp"))
     """
     tr = _vma.current("axis_size")
-    return tr.mesh.axis_group(axis, "axis_size").size
+    return tr.mesh.axis_size(axis)

@@ -454,10 +454,11 @@ def _permute_compiled(t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: l
         out = _wait(out, rec)
     if recv_from:
         result = out.view(t.shape)
-    elif local:
-        result = t.clone(memory_format=torch.contiguous_format)
-    else:
-        result = torch.zeros_like(t)
+    else:  # the (empty) received part still feeds the result, so the graph keeps the all-to-all
+        # on this rank too (a collective whose output is unused is dead code to the graph's
+        # cleanup: dropped on this rank alone, it left the others waiting in theirs)
+        keep = t.reshape(-1) if local else torch.zeros_like(t).reshape(-1)
+        result = torch.cat([out, keep]).view(t.shape)
     return Handle((), lambda: result)
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "hide_jvp",
     "mark_backward",
     "keep_collectives_in_place",
+    "allow_checkpoint_side_effects",
     "next_id",
     "allow_cached",
 ]
@@ -187,6 +188,16 @@ def keep_collectives_in_place() -> bool:
     # buffers' sizes and dtypes. Off while the graphs of a shard_map call are compiled: a
     # memory heuristic, never a change of values.
     config.reorder_for_peak_memory = False
+    return True
+
+
+@torch._dynamo.assume_constant_result  # run at trace time, not traced
+def allow_checkpoint_side_effects() -> bool:
+    """Let Dynamo trace ``fs.remat``'s body inside ``torch.utils.checkpoint`` although fshard tags
+    the values it computes (a trace-time side effect the recomputation need not replay): set
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (as `fs.compile` does), before Dynamo
+    reaches the checkpoint."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     return True
 
 

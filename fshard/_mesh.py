@@ -348,9 +348,13 @@ class Mesh:
             )
         return self._device_mesh
 
-    def axis_size(self, name: str | tuple[str, ...]) -> int:
-        """Size of one axis, or the product for a tuple of axes."""
-        return self.axis_group(name, "axis_size").size
+    def axis_size(self, name: str | tuple[str, ...], where: str = "axis_size") -> int:
+        """Size of one axis, or the product for a tuple of axes (a plain int from the mesh's
+        shape: no axis group, whose attributes are trace-time results under torch.compile)."""
+        size = 1
+        for n in self.check_axes(name, where):
+            size *= self._shape[n]
+        return size
 
     def axis_index(self, name: str | tuple[str, ...]) -> int:
         """This rank's coordinate along an axis (first axis major for a tuple)."""

@@ -16,7 +16,6 @@ import torch
 import torch.utils.checkpoint
 
 from . import _compile, _vma
-from ._errors import TracingError
 from ._primitives import _functorch_active
 
 __all__ = ["remat"]
@@ -37,7 +36,9 @@ def remat(fn):
     eager). fshard tags the values ``fn`` computes while tracing it, a side effect Dynamo
     accepts inside a checkpoint only with
     ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True``: ``fs.compile``
-    sets it; under plain ``torch.compile`` set it, or fs.remat raises a TracingError saying so.
+    sets it, and so does tracing ``fs.remat`` under plain ``torch.compile`` (for the rest of the
+    process: the recomputation then skips the forward's Python side effects, which fshard's own
+    are).
 
     Examples:
         >>> @fs.remat
@@ -48,14 +49,8 @@ def remat(fn):
 
     @functools.wraps(fn)
     def inner(*args, **kwargs):
-        if _compile.compiling() and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
-            _compile.fail(
-                TracingError,
-                f"fs.remat({getattr(fn, '__name__', 'fn')}) under torch.compile needs "
-                "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (fshard "
-                "tags the values computed inside it, a trace-time side effect the recomputation in "
-                "the backward need not replay); compile with fs.compile, which sets it, or set it",
-            )
+        if _compile.compiling():
+            _compile.allow_checkpoint_side_effects()
         if _functorch_active():
             # under torch.func transforms: computed once and kept (torch.func.grad, vjp, jacrev and
             # hessian do not support checkpoint's saved tensor hooks); the values are the same
