@@ -56,6 +56,7 @@ from ._comm import untracked
 from ._errors import CollectiveError
 from ._mesh import AxisGroup
 from ._primitives import AllReduce, Pvary, _functorch_active, apply
+from ._twins import _version, twin_entry
 from ._vma import tag
 
 __all__ = ["GradBoundary", "TwinTap", "BoundaryState", "DEFAULT_BUCKET_MB", "no_sync", "wrap"]
@@ -532,9 +533,12 @@ def wrap(
                 tag(vis, tr, m)
             if grad and x.requires_grad and m != all_bits:
                 # f's varying uses of vis (or of an invariant function of it) get the twin below
+                # (the input itself is no entry: f never sees it, and it is no twin of itself)
                 st = _CastState(cast, reduce_dtype)
-                tr.twins[id(x)] = [x, x, 0, st, None]
-                tr.twins[id(vis)] = [vis, None, 0, st, (x, _cast_twin, (st, x), None)]
+                src = twin_entry(x, x, 0, st)
+                tr.twins[id(vis)] = twin_entry(
+                    vis, None, 0, st, (src, _cast_twin, (st, x), None), _version(vis, tr)
+                )
     if not idx:
         return out
     where = (tr.where, (lambda k: path(idx[k])) if path is not None else None)
@@ -549,9 +553,11 @@ def wrap(
         # one): a TwinTap, created just before the first use so that its backward runs as soon
         # as the twin's gradient is complete (and never for an input used invariantly only).
         # Without early launches (every gradient fits in one bucket per key) the twin itself.
-        tr.twins[id(twin)] = [twin, twin, k, state, None]
         if state.early:
-            tr.twins[id(vis)] = [vis, None, k, state, (twin, _tap, (state, k, twin), None)]
+            src = twin_entry(twin, twin, k, state)  # the hidden twin: no entry of its own
+            tr.twins[id(vis)] = twin_entry(
+                vis, None, k, state, (src, _tap, (state, k, twin), None), _version(vis, tr)
+            )
         else:
-            tr.twins[id(vis)] = [vis, twin, k, state, None]
+            tr.twins[id(vis)] = twin_entry(vis, twin, k, state, None, _version(vis, tr))
     return out

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ._dynamo_hooks import VIEW_ATTRS
+
 _Tensor = torch.Tensor
 
 _PLAIN = object()
@@ -40,6 +42,10 @@ def _kind_of(func):
     }.get(func)
     if special is not None:
         return special
+    owner = getattr(func, "__self__", None)
+    if getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", "") in VIEW_ATTRS:
+        if getattr(owner, "__objclass__", None) is torch._C.TensorBase:
+            return "_view_attr"
     if func in _data_dependent_ops():
         return "_data_dependent"
     name = getattr(func, "__name__", "")

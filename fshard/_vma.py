@@ -41,6 +41,7 @@ from ._scalars import (
     hidden_bits,
     needs_grad,
 )
+from ._twins import _derive_twin, _drop_twins, _twin_entry, _twin_of
 
 _Tensor = torch.Tensor
 
@@ -203,45 +204,6 @@ def tag(t, tr: Trace, bits: int):
     return t
 
 
-def _derive_twin(tr: Trace, func, args, kwargs, out) -> None:
-    """``out`` is an invariant function of one tensor behind a GradBoundary (``w.T``, ``w[:s]``,
-    ``w.to(bf16)``, ``w * 2``): register the same function of that tensor's twin, made only if
-    ``out`` is ever cast with pvary. Its gradient then reaches the twin unreduced and is summed
-    in the bucket: exact, since the function is the same on every rank (so is its transpose)."""
-    src = None
-    for a in args:
-        if isinstance(a, _Tensor):
-            hit = tr.twins.get(id(a))
-            if hit is not None and hit[0] is a:
-                if src is not None:
-                    return  # two tensors behind the boundary: their gradients stay separate
-                src = a
-    if src is None:
-        return
-    # Any other operand that needs a gradient would get the twin path's unreduced cotangent.
-    for a in (*args, *(kwargs.values() if kwargs else ())):
-        if isinstance(a, _Tensor):
-            if a is not src and a.requires_grad:
-                return
-        elif type(a) is list or type(a) is tuple:
-            if any(isinstance(b, _Tensor) and b.requires_grad for b in a):
-                return
-    if src is not None:
-        base = tr.twins[id(src)]
-        tr.twins[id(out)] = [out, None, base[2], base[3], (src, func, args, kwargs)]
-
-
-def _twin_of(tr: Trace, entry) -> torch.Tensor:
-    """The twin of a twins entry, derived (and kept) on first use."""
-    if entry[1] is None:
-        src, func, args, kwargs = entry[4]
-        base = _twin_of(tr, tr.twins[id(src)])
-        args = tuple(base if a is src else a for a in args)
-        with untracked():
-            entry[1] = func(*args, **kwargs) if kwargs else func(*args)
-    return entry[1]
-
-
 def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     """Cast ``x`` (varying over ``have``) to vary over ``want``; cached within the trace."""
     missing = want & ~have
@@ -264,12 +226,12 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         out = apply(Pvary, x, g)
         tag(out, tr, have | missing)
         return out
-    twin = tr.twins.get(id(x)) if tr.twins else None
-    if twin is not None and twin[0] is x and twin[3].groups[twin[2]] in (None, g):
+    twin = _twin_entry(tr, x) if tr.twins else None
+    if twin is not None and twin[3].groups[twin[2]] in (None, g):
         # a tensor behind a GradBoundary (or an invariant function of one): its twin is the
         # cast, and its gradient is reduced in the boundary's buckets
         twin[3].groups[twin[2]] = g
-        out = _twin_of(tr, twin)
+        out = _twin_of(twin)
     else:
         path = tr.inputs.get(id(x)) if tr.inputs else None
         if path is not None:
@@ -308,8 +270,8 @@ class PvaryInput(torch.autograd.Function):
 
 def _drop_casts(tr: Trace, x) -> None:
     """Forget the pvary casts of ``x``, just changed in place (compiled calls)."""
-    i = id(x)
-    for key in [k for k in tr.pvary_cache if k[0] == i]:
+    # (by identity: Dynamo cannot compare the id of a tensor made in the graph with an input's)
+    for key in [k for k, hit in tr.pvary_cache.items() if hit[0] is x]:
         del tr.pvary_cache[key]
 
 
@@ -329,6 +291,30 @@ def _cast_args(seq, tr: Trace, union: int):
         else:
             out.append(a)
     return out
+
+
+def _own(out, args, kwargs):
+    """``out``, or a view of it if the op returned an operand (``w.to(x.device)``, ``w.type_as(x)``):
+    tagging it must not retag the operand (an invariant ``w`` would count as varying, and its
+    uses after the op would go uncast)."""
+    if isinstance(out, _Tensor):
+        return out.view_as(out) if _takes_tensor(out, args, kwargs) else out
+    if isinstance(out, (tuple, list)) and any(
+        isinstance(o, _Tensor) and _takes_tensor(o, args, kwargs) for o in out
+    ):
+        return type(out)(
+            o.view_as(o) if isinstance(o, _Tensor) and _takes_tensor(o, args, kwargs) else o for o in out
+        )
+    return out
+
+
+def _takes_tensor(t, args, kwargs) -> bool:
+    """Whether ``t`` itself is among the operands (or in a list or tuple of them)."""
+    for seq in (args, kwargs.values()) if kwargs else (args,):
+        for a in seq:
+            if a is t or ((type(a) is list or type(a) is tuple) and any(b is t for b in a)):
+                return True
+    return False
 
 
 def _tag_out(out, tr: Trace, bits: int):
@@ -472,18 +458,19 @@ class VmaMode(TorchFunctionMode):
                 kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
         out = func(*args, **kwargs) if kwargs else func(*args)
         if union:  # also covers `p.grad`: a gradient varies like its primal
-            if isinstance(out, _Tensor):
-                setattr(out, _ATTR, (tid, union))
-                if _is_wrapped(out):
-                    _tag_wrapped(out, (tid, union))
-            else:
+            if kind is _INPLACE:
+                if args and isinstance(args[0], _Tensor):
+                    setattr(args[0], _ATTR, (tid, union))
                 out = _tag_out(out, tr, union)
-            if kind is _INPLACE and args and isinstance(args[0], _Tensor):
-                setattr(args[0], _ATTR, (tid, union))
+            else:
+                out = _tag_out(_own(out, args, kwargs), tr, union)
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
-        if kind is _INPLACE and tr.compiled and tr.pvary_cache and args and isinstance(args[0], _Tensor):
-            _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
+        if kind is _INPLACE and tr.compiled and args and isinstance(args[0], _Tensor):
+            if tr.pvary_cache:
+                _drop_casts(tr, args[0])  # its casts hold the old value (eager: keyed by _version)
+            if tr.twins and args[0].requires_grad:
+                _drop_twins(tr, args[0])  # (eager: the twins entries hold the version they were made at)
         return out
 
 
@@ -525,6 +512,22 @@ _REFUSED = {  # what leaves tracking -> the message after "... varies over mesh 
         ".tolist() or .item(), which are tracked, or convert the output of the shard_map'd function",
     ),
 }
+
+
+def _view_attr(func, tr: Trace, args, kwargs):
+    """``x.T``, ``x.mT``, ``x.H``, ``x.mH``, ``x.real``, ``x.imag``, ``x.data``: the plain rule of an
+    op of one tensor. Compiled, a view of Dynamo's result: Dynamo names that by where it reads it
+    (``args[0].T``), so the pvary cache's ``id(x)`` guarded on an object the attribute makes anew
+    at each read, a guard that failed at once (``x @ w.T`` of a replicated ``w`` needing a grad)."""
+    out = func(*args, **kwargs)
+    if tr.compiled and isinstance(out, _Tensor):
+        out = out.view_as(out)
+    bits = _self_bits(tr, args)
+    if bits:
+        return _tag_out(_own(out, args, kwargs), tr, bits)
+    if tr.twins and isinstance(out, _Tensor) and out.requires_grad:
+        _derive_twin(tr, func, args, kwargs, out)
+    return out
 
 
 def _refuse_varying(func, tr: Trace, args, kwargs):
@@ -788,6 +791,7 @@ _HANDLERS = {
     f.__name__: f
     for f in (
         _autograd_grad,
+        _view_attr,
         _refuse_varying,
         _to_python,
         _iterate,
