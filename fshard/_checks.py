@@ -53,7 +53,7 @@ def check_outputs(name: str, mesh, leaves, plans, tr, passed) -> None:
         if p.kind is passed:
             continue
         v = _vma.get(x, tr)
-        extra = v & ~p.allowed
+        extra = (v | _vma.taint_of(x, tr)) & ~p.allowed
         if extra:
             problems.append(_replicated(x, p, mesh.names_of(extra)))
             kinds.add("replication")
@@ -65,6 +65,8 @@ def check_outputs(name: str, mesh, leaves, plans, tr, passed) -> None:
         return
     which = " and ".join(sorted(kinds, reverse=True))
     msg = problems_report(name, "out_specs", problems, kind=f"{which} check{'s' if len(kinds) > 1 else ''}")
+    if "replication" in kinds:
+        msg += _vma.taint_note(tr)
     drew = _vma.global_draw(tr) if "replication" in kinds else None
     if drew is not None:
         msg += (

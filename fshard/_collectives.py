@@ -31,16 +31,18 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
 import torch.distributed as dist
 
-from . import _combine, _comm, _reshard, _scalars, _vma
+from . import _combine, _comm, _reshard, _vma
+from . import _shapes as _per_rank
 from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
 from ._layout import chunk_sizes
+from ._numbers import _after_branch, _is_number, _is_tracked_number, _psum_number
 from ._primitives import (
     AllGather,
     AllGatherCoalesced,
@@ -62,6 +64,7 @@ from ._primitives import (
 from ._primitives import apply as _apply
 
 _T = TypeVar("_T")  # a tensor, or a pytree of tensors: the result has the same structure
+_U = TypeVar("_U")  # a collective's operand, as the caller narrowed it
 
 __all__ = [
     "psum",
@@ -84,37 +87,6 @@ __all__ = [
 
 
 _UNSET = object()
-
-
-def _is_number(x) -> bool:
-    """A plain Python number (the same on every rank; not a tracked `VaryingInt`)."""
-    return type(x) is int or type(x) is float
-
-
-def _is_tracked_number(x) -> bool:
-    """A Python number that varies over mesh axes (`VaryingInt`, `VaryingFloat`)."""
-    return type(x) is _scalars.VaryingInt or type(x) is _scalars.VaryingFloat
-
-
-def _psum_number(x, axis, where: str):
-    """``psum`` of a tracked Python number: an all-reduce (of one element) over the axes of
-    ``axis`` it varies over, times the sizes of those it does not; tracked over the rest."""
-    tr = _vma.current(where)
-    g = tr.mesh.axis_group(axis, where)
-    bits = tr.mesh.bits(g.names)
-    v = _scalars._scan(x, tr.id)
-    value = _scalars.plain(x)
-    vary = bits & v
-    if vary:
-        ga = tr.mesh.axis_group(tr.mesh.names_of(vary), where)
-        with untracked():
-            dtype = torch.int64 if isinstance(value, int) else torch.float64
-            t = torch.tensor(value, dtype=dtype, device=tr.mesh.device)
-            value = _comm.all_reduce(t, ga).item()
-    inv = bits & ~v
-    if inv:
-        value = value * math.prod([tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)])
-    return _scalars._varying_scalar(value, tr.id, v & ~bits), g.size
 
 
 def _axis_name_alias(fn):
@@ -146,7 +118,7 @@ def _axis_name_alias(fn):
 _NO_SHAPE_CHECK = ("pvary", "pmean", "all_gather")  # no communication, or checked by their callee
 
 
-def _prologue(x, axis, where: str):
+def _prologue(x: _U, axis, where: str) -> tuple[Any, Any, int, int, _U]:
     tr = _vma.current(where)
     if not isinstance(x, torch.Tensor):
         raise CollectiveError(
@@ -155,7 +127,10 @@ def _prologue(x, axis, where: str):
     g = tr.mesh.axis_group(axis, where)
     if tr.uneven and g.size > 1 and where not in _NO_SHAPE_CHECK:
         _same_shapes(_shapes([x], g), g, where)
-    return tr, g, tr.mesh.bits(g.names), _vma.get(x, tr)
+    v = _vma.get(x, tr)
+    if tr.taint:  # after a branch on a varying value: x may be the one a branch chose (_vma.operand)
+        x, v = _vma.operand(x, tr, v)
+    return tr, g, tr.mesh.bits(g.names), v, x
 
 
 # -- uneven blocks ----------------------------------------------------------------------------
@@ -301,6 +276,8 @@ def psum(x: _T, axis) -> _T:
         >>> n = fs.psum(1, "dp")                        # the axis size, no communication
         >>> rows = fs.psum(x.shape[0], "dp")            # 10 for 10 rows cut 3, 3, 3, 1 over dp
     """
+    if _is_number(x):
+        x = _after_branch(x)
     if _is_number(x):  # JAX's psum(1, axis): the axis size
         return x * axis_size(axis)
     if _is_tracked_number(x):  # a per-rank number (x.item(), a shape of uneven blocks): summed
@@ -312,7 +289,8 @@ def psum(x: _T, axis) -> _T:
         y = _combine.psum_later(x, axis, tr)
         if y is not None:
             return y
-    tr, g, bits, v = _prologue(x, axis, "psum")
+    x0 = x
+    tr, g, bits, v, x = _prologue(x, axis, "psum")
     vary = bits & v
     y = x
     if vary:
@@ -320,12 +298,16 @@ def psum(x: _T, axis) -> _T:
     inv = bits & ~v
     if inv:
         y = _mul_untracked(y, math.prod([tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)]))
-    return _vma.tag(y, tr, v & ~bits) if y is not x else y
+    if y is x0:
+        return y
+    if tr.uneven:  # the operand's shape (the same across the group: checked by _prologue)
+        _per_rank.put(y, tr, _per_rank.of(x0, tr))
+    return _vma.tag_result(y, tr, v & ~bits, bits)
 
 
 def _psum_tree(tree, axis, where: str):
     tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, where)
-    vs = [_vma.get(x, tr) for x in leaves]
+    leaves, vs = _vma.operands(leaves, tr)
     out = list(leaves)
     varying = [i for i, v in enumerate(vs) if v & bits]
     for (vary, _, _), idx in _by_dtype(leaves, varying, lambda x: bits & _vma.get(x, tr)).items():
@@ -341,7 +323,7 @@ def _psum_tree(tree, axis, where: str):
         if inv:
             out[i] = _mul_untracked(out[i], math.prod([tr.mesh.axis_size(n) for n in tr.mesh.names_of(inv)]))
         if out[i] is not leaves[i]:
-            _vma.tag(out[i], tr, v & ~bits)
+            _vma.tag_result(out[i], tr, v & ~bits, bits)
     return optree.tree_unflatten(treedef, out)
 
 
@@ -353,6 +335,8 @@ def pmean(x: _T, axis) -> _T:
         >>> loss = fs.pmean(local_loss, "dp")
         >>> metrics = fs.pmean({"loss": loss, "acc": acc}, "dp")   # one all-reduce
     """
+    if _is_number(x):
+        x = _after_branch(x)
     if _is_number(x):  # the same number on every rank
         axis_size(axis)  # checks the axis
         return x
@@ -361,31 +345,34 @@ def pmean(x: _T, axis) -> _T:
         return total / n
     if not isinstance(x, torch.Tensor):
         return _pmean_tree(x, axis)
-    _, g, _, _ = _prologue(x, axis, "pmean")
+    _, g, _, _, x = _prologue(x, axis, "pmean")
     y = psum(x, axis)
     if g.size == 1:
         return y
     tr = _vma.current("pmean")
     v = _vma.get(y, tr)
-    return _vma.tag(_div_untracked(y, g.size), tr, v)
+    return _vma.tag_result(_div_untracked(y, g.size), tr, v, tr.mesh.bits(g.names))
 
 
 def _pmean_tree(tree, axis):
     summed = _psum_tree(tree, axis, "pmean")
     tr = _vma.current("pmean")
-    n = tr.mesh.axis_group(axis, "pmean").size
+    g = tr.mesh.axis_group(axis, "pmean")
+    n, clean = g.size, tr.mesh.bits(g.names)
     if n == 1:
         return summed
-    return optree.tree_map(lambda y: _vma.tag(_div_untracked(y, n), tr, _vma.get(y, tr)), summed)
+    return optree.tree_map(
+        lambda y: _vma.tag_result(_div_untracked(y, n), tr, _vma.get(y, tr), clean), summed
+    )
 
 
 def _extremum(x, axis, op, where):
-    tr, g, bits, v = _prologue(x, axis, where)
+    tr, g, bits, v, x = _prologue(x, axis, where)
     vary = bits & v
     if not vary:
         return x
     y = _apply(Extremum, x, tr.mesh.axis_group(tr.mesh.names_of(vary), where), op)
-    return _vma.tag(y, tr, v & ~bits)
+    return _vma.tag_result(y, tr, v & ~bits, bits)
 
 
 @_axis_name_alias
@@ -459,7 +446,9 @@ def all_gather(
         y = _combine.all_gather_later(x, axis, dim, tiled, invariant, tr, _norm_dim)
         if y is not None:
             return y
-    tr, g, bits, v = _prologue(x, axis, "all_gather")
+    x0 = x
+    tr, g, bits, v, x = _prologue(x, axis, "all_gather")
+    assert isinstance(x, torch.Tensor)  # (for mypy: _prologue returns the operand it was given, cast)
     ndim = x.dim() if tiled else x.dim() + 1
     dim = _norm_dim(dim, ndim, "all_gather")
     x = _vary(x, tr, v, bits)
@@ -476,7 +465,7 @@ def all_gather(
         again = _reshard.active()
 
         def done():
-            y = _vma.tag(_apply(AllGatherDone, x, g, dim, tiled, handle), tr, v | bits)
+            y = _vma.tag_result(_apply(AllGatherDone, x, g, dim, tiled, handle), tr, v | bits)
             y._fshard_gathered = g.names
             if again:
                 _reshard.gather_again(y, x, AllGather, g, dim, tiled)
@@ -484,11 +473,15 @@ def all_gather(
 
         return Pending(done)
     if invariant:
-        y = _vma.tag(_apply(AllGatherInvariant, x, g, dim, tiled), tr, v & ~bits)
+        y = _vma.tag_result(_apply(AllGatherInvariant, x, g, dim, tiled), tr, v & ~bits, bits)
+        if tr.uneven:
+            _per_rank.gathered(y, x0, tr, g, dim, tiled)
         if _reshard.active():
             _reshard.gather_again(y, x, AllGatherInvariant, g, dim, tiled)
         return y
-    y = _vma.tag(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
+    y = _vma.tag_result(_apply(AllGather, x, g, dim, tiled), tr, v | bits)
+    if tr.uneven:
+        _per_rank.gathered(y, x0, tr, g, dim, tiled)
     y._fshard_gathered = g.names  # the replication check suggests invariant=True for it
     if _reshard.active():
         _reshard.gather_again(y, x, AllGather, g, dim, tiled)
@@ -518,7 +511,7 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
             for x, d in zip(leaves, dims)
         ]
         return optree.tree_unflatten(treedef, queued)
-    vs = [_vma.get(x, tr) for x in leaves]
+    leaves, vs = _vma.operands(leaves, tr)
     xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]
     out = list(xs)
     for _, idx in _by_dtype(xs, range(len(xs))).items():
@@ -534,9 +527,9 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
             out[i] = y
     for y, v in zip(out, vs):
         if invariant:
-            _vma.tag(y, tr, v & ~bits)
+            _vma.tag_result(y, tr, v & ~bits, bits)
         else:
-            _vma.tag(y, tr, v | bits)
+            _vma.tag_result(y, tr, v | bits)
             y._fshard_gathered = g.names
     return optree.tree_unflatten(treedef, out)
 
@@ -564,7 +557,7 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
         return _psum_scatter_tree(x, axis, dim, tiled)
     if async_op and _transformed():
         return _ready(psum_scatter(x, axis, dim, tiled))
-    tr, g, bits, v = _prologue(x, axis, "psum_scatter")
+    tr, g, bits, v, x = _prologue(x, axis, "psum_scatter")
     dim = _check_scatter(x, g, dim, tiled, "psum_scatter", uneven=True)
     x = _vary(x, tr, v, bits)
     size = cast(torch.Tensor, x).shape[dim]
@@ -574,8 +567,10 @@ def psum_scatter(x: _T, axis, dim: int = 0, tiled: bool = False, *, async_op: bo
         tr.uneven = True
     if async_op:
         handle = _comm.reduce_scatter_start(split_blocks(cast(torch.Tensor, x), g.size, dim, tiling), g)
-        return Pending(lambda: _vma.tag(_apply(ReduceScatterDone, x, g, dim, tiling, handle), tr, v | bits))
-    return _vma.tag(_apply(ReduceScatter, x, g, dim, tiling), tr, v | bits)
+        return Pending(
+            lambda: _vma.tag_result(_apply(ReduceScatterDone, x, g, dim, tiling, handle), tr, v | bits)
+        )
+    return _vma.tag_result(_apply(ReduceScatter, x, g, dim, tiling), tr, v | bits)
 
 
 class Pending:
@@ -640,7 +635,7 @@ def _psum_scatter_tree(tree, axis, dim, tiled):
         _check_scatter(x, g, dim, tiled, f"psum_scatter at {acc.codify('x')}")
         for x, acc in zip(leaves, accessors)
     ]
-    vs = [_vma.get(x, tr) for x in leaves]
+    leaves, vs = _vma.operands(leaves, tr)
     xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]
     out = list(xs)
     for _, idx in _by_dtype(xs, range(len(xs))).items():
@@ -652,7 +647,7 @@ def _psum_scatter_tree(tree, axis, dim, tiled):
         for i, y in zip(idx, ys):
             out[i] = y
     for y, v in zip(out, vs):
-        _vma.tag(y, tr, v | bits)
+        _vma.tag_result(y, tr, v | bits)
     return optree.tree_unflatten(treedef, out)
 
 
@@ -669,12 +664,13 @@ def all_to_all(x: _T, axis, split_dim: int, concat_dim: int) -> _T:
     """
     if not isinstance(x, torch.Tensor):
         return _tree_map(lambda t: all_to_all(t, axis, split_dim, concat_dim), x, axis, "all_to_all")
-    tr, g, bits, v = _prologue(x, axis, "all_to_all")
+    tr, g, bits, v, x = _prologue(x, axis, "all_to_all")
+    assert isinstance(x, torch.Tensor)  # (for mypy: _prologue returns the operand it was given, cast)
     split_dim = _norm_dim(split_dim, x.dim(), "all_to_all", "split_dim")
     concat_dim = _norm_dim(concat_dim, x.dim(), "all_to_all", "concat_dim")
     _check_divisible(x, split_dim, g.size, "all_to_all", "split_dim")
     x = _vary(x, tr, v, bits)
-    return _vma.tag(_apply(AllToAll, x, g, split_dim, concat_dim), tr, v | bits)
+    return _vma.tag_result(_apply(AllToAll, x, g, split_dim, concat_dim), tr, v | bits)
 
 
 @_axis_name_alias
@@ -699,7 +695,7 @@ def ppermute(x: _T, axis, perm, *, async_op: bool = False):
         return _tree_map(lambda t: ppermute(t, axis, perm), x, axis, "ppermute")
     if async_op and _transformed():
         return _ready(ppermute(x, axis, perm))
-    tr, g, bits, v = _prologue(x, axis, "ppermute")
+    tr, g, bits, v, x = _prologue(x, axis, "ppermute")
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
     except (TypeError, ValueError):
@@ -721,8 +717,8 @@ def ppermute(x: _T, axis, perm, *, async_op: bool = False):
     x = _vary(x, tr, v, bits)
     if async_op:
         handle = _comm.permute_start(cast(torch.Tensor, x), g, pairs)
-        return Pending(lambda: _vma.tag(_apply(PPermuteDone, x, g, pairs, handle), tr, v | bits))
-    return _vma.tag(_apply(PPermute, x, g, pairs), tr, v | bits)
+        return Pending(lambda: _vma.tag_result(_apply(PPermuteDone, x, g, pairs, handle), tr, v | bits))
+    return _vma.tag_result(_apply(PPermute, x, g, pairs), tr, v | bits)
 
 
 @_axis_name_alias
@@ -736,14 +732,14 @@ def pbroadcast(x: _T, axis, src: int = 0) -> _T:
     """
     if not isinstance(x, torch.Tensor):
         return _tree_map(lambda t: pbroadcast(t, axis, src), x, axis, "pbroadcast")
-    tr, g, bits, v = _prologue(x, axis, "pbroadcast")
+    tr, g, bits, v, x = _prologue(x, axis, "pbroadcast")
     if not isinstance(src, int) or not 0 <= src < g.size:
         raise CollectiveError(
             f"fs.pbroadcast: src={src!r} must be an index in [0, {g.size}) of axis {axis!r}"
         )
     if not bits & v:
         return x
-    return _vma.tag(_apply(Broadcast, x, g, src), tr, v & ~bits)
+    return _vma.tag_result(_apply(Broadcast, x, g, src), tr, v & ~bits, bits)
 
 
 @_axis_name_alias
@@ -758,11 +754,12 @@ def pvary(x: _T, axis) -> _T:
     """
     if not isinstance(x, torch.Tensor):
         return _tree_map(lambda t: pvary(t, axis), x, axis, "pvary")
-    tr, g, bits, v = _prologue(x, axis, "pvary")
+    tr, g, bits, v, x = _prologue(x, axis, "pvary")
+    assert isinstance(x, torch.Tensor)  # (for mypy: _prologue returns the operand it was given, cast)
     if not bits & ~v:
         return x
     out = _vma.pvary(x, tr, v, v | bits)
-    return _vma.tag(out if out is not x else _view(x), tr, v | bits)
+    return _vma.tag_result(out if out is not x else _view(x), tr, v | bits)
 
 
 def _view(x):
@@ -781,7 +778,7 @@ def axis_index(axis) -> torch.Tensor:
     g = tr.mesh.axis_group(axis, "axis_index")
     with untracked():
         t = torch.tensor(g.index, dtype=torch.int64, device=tr.mesh.device)
-    return _vma.tag(t, tr, tr.mesh.bits(g.names))
+    return _vma.tag_result(t, tr, tr.mesh.bits(g.names))
 
 
 @_axis_name_alias

@@ -112,6 +112,7 @@ def deferrable(tr) -> bool:
         tr is not None
         and tr._mode is not None  # VmaMode sees the ops that use the results
         and not tr.uneven
+        and not tr.taint  # after a branch on a varying value: operands cast one by one (_vma.operand)
         and not _functorch_active()
         and _forward_ad._current_level < 0  # forward-mode AD: the combined Functions have no jvp
         and not _compiling()

@@ -31,8 +31,8 @@ class CollectiveError(FshardError):
 
 
 class TracingError(FshardError):
-    """A value that varies across ranks is used inside shard_map where fshard cannot track it
-    (a Python branch on it, a conversion that leaves torch, an in-place write it cannot differentiate)."""
+    """A value that varies across ranks is used inside shard_map where fshard cannot track it (an
+    in-place write it cannot differentiate, a Python branch on it in a compiled call)."""
 
 
 class ArgumentError(FshardError, TypeError):

@@ -9,6 +9,8 @@ made a number is still running.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -29,11 +31,12 @@ def _varying_axes_text(tr: Any, bits: int) -> tuple[str, str]:
 
 
 # -- values that carry a mask without being tensors ------------------------------------------
-# `.item()`, `.tolist()` and, in calls with uneven blocks, the shapes of varying tensors give
-# tracked Python numbers. Arithmetic, round() and math.floor/ceil/trunc keep them tracked; torch
-# ops receive them through VmaMode (which reads their masks and hands torch the plain values).
-# What would turn them into untracked Python values (int(), float(), the math functions, which
-# call float(), bool(), comparisons) raises a TracingError while the call that made them runs.
+# `.item()`, `.tolist()` and, in calls with uneven blocks, the sizes of varying tensors that differ
+# between ranks give tracked Python numbers. Arithmetic, round() and math.floor/ceil/trunc keep
+# them tracked; torch ops receive them through VmaMode (which reads their masks and hands torch
+# the plain values). What turns them into untracked Python values (int(), float(), the math
+# functions, which call float(), bool(), comparisons) gives the plain value and taints the call
+# that made them (`taint`), unless their values at every rank are known and agree.
 
 
 def _scalar_bits(x) -> int:
@@ -75,12 +78,41 @@ def _wrap_result(name: str):
         if out is NotImplemented:
             return out
         tid = self._fshard_vma[0]
+        ranks = _per_rank(getattr(type(base), name, None), self, others)
         if type(out) is tuple:  # divmod
-            return tuple(_varying_scalar(y, tid, bits) for y in out)
-        return _varying_scalar(out, tid, bits)
+            return tuple(
+                _varying_scalar(y, tid, bits, None if ranks is None else tuple(r[i] for r in ranks))
+                for i, y in enumerate(out)
+            )
+        return _varying_scalar(out, tid, bits, ranks)
 
     op.__name__ = name
     return op
+
+
+def _per_rank(fn, self, others) -> tuple | None:
+    """``fn`` of the operands at every mesh position, when every tracked operand is a size whose
+    value at every position is known (`_shapes`); else None."""
+    mine = getattr(self, "_fshard_ranks", None)
+    if mine is None or fn is None:
+        return None
+    cols = []
+    for o in others:
+        tp = type(o)
+        if tp is VaryingInt or tp is VaryingFloat:
+            r = getattr(o, "_fshard_ranks", None)
+            if r is None:
+                return None
+            cols.append(r)
+        else:
+            cols.append(None)
+    try:
+        out = tuple(
+            fn(v, *[o if c is None else c[p] for o, c in zip(others, cols)]) for p, v in enumerate(mine)
+        )
+    except (ArithmeticError, TypeError, ValueError):
+        return None
+    return None if NotImplemented in out else out
 
 
 def _owner(self, others) -> tuple[Any, int] | None:
@@ -98,46 +130,95 @@ def _owner(self, others) -> tuple[Any, int] | None:
     return None
 
 
-_SCALAR_UNTRACKABLE = (
-    "gives a plain Python value fshard cannot track (a value built from it would count as the same on "
-    "every rank); keep the tracked number (its arithmetic, round(), math.floor/ceil/trunc and its use as "
-    "an argument of torch ops, e.g. torch.tensor(v, dtype=torch.float32), are tracked), or keep it a tensor"
-)
-_SCALAR_REFUSED = {  # what leaves tracking -> the message after "... varies over mesh {axes} "
-    "__bool__": (
-        "bool() of",
-        "(a Python if, while, and/or, or assert on it) takes a different branch on each rank, which fshard "
-        "cannot track; select between values with torch.where(cond, a, b) on tensors (torch.tensor(v)), or "
-        "branch on plain ints from the mesh (mesh.axis_index(...)) for per-rank side effects such as logging",
-    ),
-    "compare": (
-        "a comparison (<, <=, >, >=, ==, !=) of",
-        "gives a plain bool (a Python if on it takes a different branch on each rank), which fshard cannot "
-        "track; compare tensors instead (torch.tensor(v) > 0 is tracked) and select with "
-        "torch.where(cond, a, b)",
-    ),
-    "__int__": ("int() of", _SCALAR_UNTRACKABLE),
-    "__float__": ("float() (or a math function) of", _SCALAR_UNTRACKABLE),
-    "__index__": ("a Python index from", _SCALAR_UNTRACKABLE),
-    "__complex__": ("complex() of", _SCALAR_UNTRACKABLE),
-}
 _COMPARE = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__")
 
 
+def _site() -> str:
+    """The user's line that is running (the nearest frame outside torch and fshard), as ``file:line``."""
+    f: Any = sys._getframe(1)
+    while f is not None:
+        top = f.f_globals.get("__name__", "").partition(".")[0]
+        if top not in ("torch", "fshard", "optree"):
+            return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+def taint(tr: Any, bits: int, what: str) -> None:
+    """A value of ``tr`` varying over ``bits`` left tracking (``what``: a branch on it, a plain
+    Python number made from it): the ranks may run different code from here on, so every value
+    made afterwards in the call varies over ``bits`` (an information-flow type system's tainted
+    program counter), and values made before it count as varying over them where they are read
+    whole (outputs, collective operands): a branch may have chosen between them. A collective's
+    result over those axes made afterwards is the same on every rank again (``fresh``)."""
+    if tr.compiled:  # a compiled call cannot branch on the ranks' data: refused as before
+        raise TracingError(compiled_branch(tr, bits, what))
+    if tr.taint_why is None or bits & ~tr.taint:
+        word, axes = _varying_axes_text(tr, bits & ~tr.taint if tr.taint_why is not None else bits)
+        why = f"{what} a value that varies over mesh {word} {axes}, at {_site()}"
+        tr.taint_why = why if tr.taint_why is None else f"{tr.taint_why}; {why}"
+    tr.taint |= bits
+    tr.fresh.clear()  # a collective result made before this branch may be the one it chose
+
+
+def taint_of(t, tr: Any) -> int:
+    """The axes the call's taint adds to ``t`` where it is read whole (an output, a collective's
+    operand): all of them, but for a collective result made after the latest taint over the axes
+    it reduced (the same on every rank whatever branches the ranks took)."""
+    bits = tr.taint
+    if bits:
+        hit = tr.fresh.get(id(t))
+        if hit is not None and hit[0]() is t:
+            bits &= ~hit[1]
+    return bits
+
+
+def taint_note(tr: Any) -> str:
+    """What the replication check adds when the call was tainted (`taint`), or ""."""
+    if tr.taint_why is None:
+        return ""
+    return (
+        f"\nf branched on a value that varies across ranks ({tr.taint_why}), so the ranks may have run "
+        f"different code from there on: every value made after it (and any value it may have chosen) "
+        f"counts as varying over those axes; reduce the output after the branch (the result of fs.psum / "
+        f"fs.pmean / fs.all_gather(..., invariant=True) over them is the same on every rank), or select "
+        f"with torch.where(cond, a, b) instead of the branch"
+    )
+
+
+def compiled_branch(tr: Any, bits: int, what: str) -> str:
+    """The refusal of a branch on a varying value in a compiled call."""
+    word, axes = _varying_axes_text(tr, bits)
+    return (
+        f"fs.shard_map({tr.where}): {what} a value that varies over mesh {word} {axes} in a compiled call "
+        f"(Dynamo would branch at trace time on one rank's value); select between values with "
+        f"torch.where(cond, a, b), or call it eagerly"
+    )
+
+
+_LEAVES = {  # a tracked number's way out of tracking -> what the taint record calls it
+    "__bool__": "bool() (a Python if, while, and/or or assert) of",
+    "compare": "a comparison of",
+    "__int__": "int() of",
+    "__float__": "float() (or a math function) of",
+    "__index__": "a Python index (range(), a list index) from",
+    "__complex__": "complex() of",
+}
+
+
 def _refuse_scalar(name: str):
-    """Operation ``name`` of a tracked number: a TracingError while its call runs, else plain."""
-    what, rest = _SCALAR_REFUSED["compare" if name in _COMPARE else name]
+    """Operation ``name`` of a tracked number: the plain operation, after tainting the call that
+    made it (`taint`) when it is still running."""
+    what = _LEAVES["compare" if name in _COMPARE else name]
 
     def op(self, *others):
         hit = _owner(self, others)
-        if hit is None:  # made by a call that has returned: a plain number
-            base = plain(self)
-            return getattr(type(base), name)(base, *[plain(o) for o in others])
-        tr, bits = hit
-        word, axes = _varying_axes_text(tr, bits)
-        raise TracingError(
-            f"fs.shard_map({tr.where}): {what} a Python number that varies over mesh {word} {axes} {rest}"
-        )
+        base = plain(self)
+        if hit is not None:
+            ranks = _per_rank(getattr(int, name), self, others) if type(base) is int else None
+            if ranks is None or len(set(ranks)) > 1:  # (the same at every position: plain)
+                taint(hit[0], hit[1], what)
+        return getattr(type(base), name)(base, *[plain(o) for o in others])
 
     op.__name__ = name
     return op
@@ -145,14 +226,16 @@ def _refuse_scalar(name: str):
 
 class VaryingInt(int):
     """A Python int that varies over some mesh axes: ``i.item()``, ``i.tolist()`` of a varying tensor,
-    and in calls with uneven blocks the shape of a varying tensor (``x.shape[0]``, ``x.size(0)``,
+    and in calls with uneven blocks a size that differs between ranks (``x.shape[0]``, ``x.size(0)``,
     ``x.numel()``).
 
     It is an int (a torch.Size can hold it); torch ops that receive it (as an argument, a slice
     bound or in an index tuple), arithmetic, round() and math.floor/ceil/trunc keep its varying
     axes, so ``x[i * n:(i + 1) * n]`` and ``torch.tensor(x.shape[0])`` are tracked and
     ``fs.psum(n, axis)`` sums it over the ranks. ``int()``, ``float()`` (and the math functions that
-    call it), ``bool()`` and comparisons raise `fs.TracingError` inside the call that made it.
+    call it), ``bool()`` and comparisons give plain values and, inside the call that made it, taint
+    the call: every value made afterwards varies like it (a replicated out_spec then needs a
+    collective after the branch, such as ``fs.psum``).
 
     Examples:
         >>> n = x.shape[0]                       # 3, 3, 3, 1 for 10 rows over 4 ranks
@@ -168,9 +251,9 @@ class VaryingFloat:
     arithmetic mixing a `VaryingInt` and a float.
 
     Not a float subclass: Python's math functions read a float subclass's value without asking
-    it, so this one holds its value and refuses, inside the call that made it, every way out of
-    tracking (``float()``, ``math.sqrt(v)``, ``int()``, ``bool()``, comparisons) with
-    `fs.TracingError`. Arithmetic, round() and math.floor/ceil/trunc stay tracked; torch ops
+    it, so this one holds its value and sees, inside the call that made it, every way out of
+    tracking (``float()``, ``math.sqrt(v)``, ``int()``, ``bool()``, comparisons), each of which
+    taints the call (every value made afterwards varies like it). Arithmetic, round() and math.floor/ceil/trunc stay tracked; torch ops
     receive the plain value. ``str(v)``, ``repr(v)`` and ``f"{v:.3f}"`` format the value (for
     logging: the one way it leaves tracking).
 
@@ -221,9 +304,10 @@ for _name in (*_COMPARE, "__bool__", "__int__", "__float__", "__index__", "__com
 del _name
 
 
-def _varying_scalar(value, tid: int, bits: int):
-    """``value`` (a Python number) carrying ``bits``; plain when ``bits`` is 0 or it is no number."""
-    if not bits or type(value) is bool:
+def _varying_scalar(value, tid: int, bits: int, ranks: tuple | None = None):
+    """``value`` (a Python number) carrying ``bits``; plain when ``bits`` is 0, it is no number, or
+    its values at every mesh position (``ranks``, when known) are all the same."""
+    if not bits or type(value) is bool or (ranks is not None and len(set(ranks)) == 1):
         return value
     out: VaryingInt | VaryingFloat
     if type(value) is int:
@@ -233,6 +317,8 @@ def _varying_scalar(value, tid: int, bits: int):
     else:
         return value
     out._fshard_vma = (tid, bits)
+    if ranks is not None and type(out) is VaryingInt and all(type(r) is int for r in ranks):
+        out._fshard_ranks = ranks  # type: ignore[attr-defined]
     return out
 
 

@@ -16,7 +16,7 @@ import math
 import optree
 import torch
 
-from . import _buckets, _checks, _comm, _compile, _debug, _mesh, _spec, _stages, _static, _vma
+from . import _buckets, _checks, _comm, _compile, _debug, _mesh, _shapes, _spec, _stages, _static, _vma
 from ._buckets import DEFAULT_BUCKET_MB
 from ._checks import problems_report as _report
 from ._errors import ArgumentError, FshardError, SpecError
@@ -292,6 +292,7 @@ class _ShardMapped(_static.Fixed):
             # bucketed gradient reductions and compute_dtype casts for the inputs (_buckets.wrap)
             casts = (self._compute_dtype, self._reduce_dtype, lambda i: plans[i].path)  # (+ key paths)
             local = _buckets.wrap(local, masks, tr, self._all_bits, tr.bucket_mb, *casts)
+        _shapes.set_inputs(leaves, plans, local, tr)  # uneven blocks: their shapes at every position
         local_args = optree.tree_unflatten(
             self._per_rank.get(treedef, treedef) if self._per_rank else treedef, local
         )

@@ -15,14 +15,12 @@ data-parallel data still gets exactly one gradient reduction.
 from __future__ import annotations
 
 import itertools
-import sys
-import types
 import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _compile
+from . import _comm, _compile, _shapes
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
@@ -31,6 +29,7 @@ from ._primitives import AllReduce, Pvary, _functorch_active, apply
 from ._scalars import (
     _ATTR,
     _CARRIERS,
+    _LEAVES,
     _is_wrapped,
     _plain_args,
     _scan,
@@ -38,8 +37,12 @@ from ._scalars import (
     _unwrap,
     _varying_axes_text,
     _varying_scalar,
+    compiled_branch,
     hidden_bits,
     needs_grad,
+    taint,
+    taint_note,  # noqa: F401  (for shard_map's replication check)
+    taint_of,
 )
 from ._twins import _derive_twin, _drop_twins, _twin_entry, _twin_of
 
@@ -73,6 +76,9 @@ class Trace:
         "pending",
         "compiled",
         "inputs",
+        "taint",
+        "taint_why",
+        "fresh",
     )
 
     def __init__(self, mesh: Mesh, where: str):
@@ -104,6 +110,13 @@ class Trace:
         self.queue = None
         # flushed collectives whose results are not filled yet (`_combine.Flight`)
         self.pending = None
+        # the axes a value that left tracking varied over (a Python branch on it, `_scalars.taint`):
+        # every value made afterwards varies over them; what did it, for the replication check
+        self.taint = 0
+        self.taint_why: str | None = None
+        # id(collective result made after the latest taint) -> (weak ref, the axes it is the same
+        # over on every rank whatever branches the ranks took)
+        self.fresh: dict = {}
 
     def __enter__(self) -> Trace:
         _stack.append(self)
@@ -182,6 +195,35 @@ def get(t, tr: Trace) -> int:
     return _hidden(t, tr)
 
 
+def tag_result(t, tr: Trace, bits: int, clean: int = 0):
+    """Tag a collective's result ``t``: ``bits``, and the call's taint but for ``clean``, the axes
+    over which the collective made it the same on every rank (see `taint_of`); returns ``t``."""
+    if tr.taint:
+        if clean:
+            tr.fresh[id(t)] = (weakref.ref(t), clean)
+        bits |= tr.taint & ~clean
+    return _put(t, tr, bits)
+
+
+def operand(x, tr: Trace, v: int):
+    """A collective's operand ``x`` (varying over ``v``) with the call's taint: cast with pvary over
+    the tainted axes it does not vary over (a branch may have chosen it: the collective must
+    combine the ranks' own values, and its gradient be summed over them); returns ``(x, v)``."""
+    extra = taint_of(x, tr) & ~v
+    if extra:
+        x = pvary(x, tr, v, v | extra)
+        v |= extra
+    return x, v
+
+
+def operands(leaves, tr: Trace):
+    """The leaves of a pytree operand and their varying axes, with the call's taint (`_vma.operand`)."""
+    if not tr.taint:
+        return leaves, [get(x, tr) for x in leaves]
+    pairs = [operand(x, tr, get(x, tr)) for x in leaves]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 def _hidden(t, tr: Trace) -> int:
     """The mask of a tensor without a tag of ``tr``: torch.func transforms hide it (see
     `_scalars.hidden_bits`)."""
@@ -197,7 +239,12 @@ def _tag_wrapped(t, tag: tuple) -> None:
 
 
 def tag(t, tr: Trace, bits: int):
-    """Mark ``t`` as varying over ``bits`` in ``tr``; returns ``t``."""
+    """Mark ``t`` as varying over ``bits`` in ``tr`` (and over the call's taint: made after a branch
+    on a varying value, `_scalars.taint`); returns ``t``."""
+    return _put(t, tr, bits | tr.taint)
+
+
+def _put(t, tr: Trace, bits: int):
     setattr(t, _ATTR, (tr.id, bits))
     if _is_wrapped(t):
         _tag_wrapped(t, (tr.id, bits))
@@ -391,6 +438,7 @@ class VmaMode(TorchFunctionMode):
                 kind = _KIND[func] = _classify(func)
         if kind is not _PLAIN and kind is not _INPLACE:
             return kind(func, tr, args, kwargs or {})
+        given = (args, kwargs) if tr.uneven else None  # (for the output's per-rank shapes)
         # Union of the operands' masks, noting whether they differ (hot path: keep it flat).
         union = 0
         first = -1
@@ -448,6 +496,9 @@ class VmaMode(TorchFunctionMode):
             args = _plain_args(args)
             if kwargs:
                 kwargs = {k: _plain_args(v) for k, v in kwargs.items()}
+        if tr.taint:  # made after a branch on a varying value: varies like it (`_scalars.taint`)
+            union |= tr.taint
+            mixed = True
         if mixed and low & union != union and torch.is_grad_enabled():
             if kind is _INPLACE:
                 _check_inplace(func, tr, args, union)
@@ -457,6 +508,8 @@ class VmaMode(TorchFunctionMode):
             if kwargs:
                 kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
         out = func(*args, **kwargs) if kwargs else func(*args)
+        if given is not None and not tr.compiled:
+            _shapes.propagate(func, tr, given[0], given[1] or {}, out)
         if union:  # also covers `p.grad`: a gradient varies like its primal
             if kind is _INPLACE:
                 if args and isinstance(args[0], _Tensor):
@@ -485,7 +538,7 @@ def _self_bits(tr: Trace, args) -> int:
 def _to_python(func, tr: Trace, args, kwargs):
     """``t.item()``, ``t.tolist()``: Python numbers that keep the mask."""
     out = func(*args, **kwargs)
-    bits = _self_bits(tr, args)
+    bits = _self_bits(tr, args) | tr.taint
     return _mark(out, tr.id, bits) if bits else out
 
 
@@ -495,22 +548,12 @@ def _mark(x, tid: int, bits: int):
     return _varying_scalar(x, tid, bits)
 
 
-_UNTRACKABLE = "gives a Python number fshard cannot track (a value built from it would count as the same on every rank); keep it a tensor (x.narrow(0, start, n), index_select, torch.where accept tensors), or use .item(), whose result is tracked in slices, arguments and arithmetic"
-_REFUSED = {  # what leaves tracking -> the message after "... varies over mesh {axes} "
-    "__bool__": (
-        "bool() of",
-        "(a Python if, while, and/or, or assert on it) takes a different branch on each rank, which fshard "
-        "cannot track; select between values with torch.where(cond, a, b), or branch on plain ints from the "
-        "mesh (mesh.axis_index(...)) for per-rank side effects such as logging",
-    ),
-    "__int__": ("int() of", _UNTRACKABLE),
-    "__float__": ("float() of", _UNTRACKABLE),
-    "__index__": ("a Python index from", _UNTRACKABLE),
-    "numpy": (
-        ".numpy() of",
-        "leaves fshard's tracking (a value built from it would count as the same on every rank); use "
-        ".tolist() or .item(), which are tracked, or convert the output of the shard_map'd function",
-    ),
+_LEAVE = {  # a tensor's way out of tracking -> what the taint record calls it
+    "__bool__": _LEAVES["__bool__"],
+    "__int__": "int() of",
+    "__float__": "float() of",
+    "__index__": "a Python index from",
+    "numpy": ".numpy() of",
 }
 
 
@@ -532,74 +575,23 @@ def _view_attr(func, tr: Trace, args, kwargs):
 
 def _refuse_varying(func, tr: Trace, args, kwargs):
     """``bool(t)``, ``int(t)``, ``float(t)``, ``operator.index(t)``, ``t.numpy()``: plain Python or
-    numpy values that cannot carry varying axes; an error when ``t`` varies."""
+    numpy values that cannot carry varying axes; when ``t`` varies, the call is tainted
+    (`_scalars.taint`: what the ranks do next may differ, so every later value varies like ``t``)."""
     bits = _self_bits(tr, args)
     if bits:
-        word, axes = _varying_axes_text(tr, bits)
-        what, rest = _REFUSED[func.__name__]
-        _compile.fail(  # (compiled: raised at trace time as itself)
-            TracingError,
-            f"fs.shard_map({tr.where}): {what} a tensor that varies over mesh {word} {axes} {rest}",
-        )
+        if tr.compiled:  # (raised at trace time as itself)
+            _compile.fail(TracingError, compiled_branch(tr, bits, _LEAVE[func.__name__]))
+        taint(tr, bits, _LEAVE[func.__name__])
     return func(*args, **kwargs)
 
 
 def _iterate(func, tr: Trace, args, kwargs):
     """``for row in t``: each row varies like ``t``."""
     rows = list(func(*args, **kwargs))
-    bits = _self_bits(tr, args)
+    bits = _self_bits(tr, args) | tr.taint
     if bits:
         rows = _tag_out(rows, tr, bits)
     return iter(rows)
-
-
-_DISPATCH = frozenset((__name__, "torch.overrides", "torch._tensor"))
-
-
-def _user_code() -> bool:
-    """Whether the code that asked (the nearest frame outside torch's dispatch and this module) is
-    the user's: torch's and fshard's own code read plain shapes."""
-    f: types.FrameType | None = sys._getframe(1)
-    while f is not None:
-        mod = f.f_globals.get("__name__", "")
-        if mod not in _DISPATCH:
-            top = mod.partition(".")[0]
-            return top != "torch" and top != "fshard"
-        f = f.f_back
-    return True
-
-
-def _shape(func, tr: Trace, args, kwargs):
-    """``x.shape``, ``x.size()``, ``x.numel()``: in a call with uneven blocks, the shape of a
-    varying tensor may differ between ranks, so it is made of `VaryingInt` (for the user's code);
-    otherwise plain ints, at no cost."""
-    out = func(*args, **kwargs)
-    if not tr.uneven:
-        return out
-    bits = _self_bits(tr, args)
-    if not bits or not _user_code():
-        return out
-    if type(out) is int:
-        return _varying_scalar(out, tr.id, bits)
-    if isinstance(out, torch.Size):
-        return torch.Size([_varying_scalar(d, tr.id, bits) for d in out])
-    return out
-
-
-def _length(func, tr: Trace, args, kwargs):
-    """``len(x)``: Python makes it a plain int, so in a call with uneven blocks an error when ``x``
-    varies (its length may differ between ranks)."""
-    n = func(*args, **kwargs)
-    if tr.uneven:
-        bits = _self_bits(tr, args)
-        if bits and _user_code():
-            word, axes = _varying_axes_text(tr, bits)
-            raise TracingError(
-                f"fs.shard_map({tr.where}): len() of a tensor that varies over mesh {word} {axes}, in a call "
-                f"with uneven blocks (torch.chunk's cut), gives a plain int that may differ between ranks, "
-                f"which fshard cannot track; use x.shape[0], which is tracked in such calls"
-            )
-    return n
 
 
 def _check_inplace(func, tr: Trace, args, union: int) -> None:
@@ -639,13 +631,18 @@ def _data_dependent(func, tr: Trace, args, kwargs):
     union = 0
     for a in itertools.chain(args, kwargs.values()):
         union |= _scan(a, tr.id)
-    if union and _shape_bits(func, tr, args, kwargs):
+    ragged = bool(union and _shape_bits(func, tr, args, kwargs))
+    if ragged:
         tr.uneven = tr.ragged = True
+    given = (args, kwargs) if tr.uneven and not ragged else None  # (x[i:j]: its per-rank shapes)
+    union |= tr.taint
     if union and torch.is_grad_enabled():
         args = _cast_args(args, tr, union)
         if kwargs:
             kwargs = dict(zip(kwargs.keys(), _cast_args(kwargs.values(), tr, union)))
     out = func(*args, **kwargs)
+    if given is not None:
+        _shapes.propagate(func, tr, *given, out)
     if union:
         out = _tag_out(out, tr, union)
     elif tr.twins and isinstance(out, _Tensor) and out.requires_grad:  # w[:s] of an input: as the plain rule
@@ -679,7 +676,7 @@ def _foreach(func, tr: Trace, args, kwargs):
     """``torch._foreach_*``: element i of each list operand lines up; tag output i on its own."""
     lists = [a for a in args if type(a) in (list, tuple)]
     n = len(lists[0]) if lists else 0
-    shared = 0
+    shared = tr.taint
     for a in args:
         if isinstance(a, _Tensor):
             shared |= get(a, tr)
@@ -705,7 +702,9 @@ def _autograd_grad(func, tr: Trace, args, kwargs):
     ins = (inputs,) if isinstance(inputs, _Tensor) else tuple(inputs)
     for g, x in zip(grads, ins):
         if g is not None:
-            tag(g, tr, get(x, tr))
+            tag(g, tr, get(x, tr) | tr.taint)
+            if tr.uneven:
+                _shapes.put(g, tr, _shapes.of(x, tr))
     del outputs
     return grads
 
@@ -748,6 +747,7 @@ def _random(func, tr: Trace, args, kwargs):
     (operands that need a gradient are cast with pvary, so gradients sum over the ranks). With an
     explicit generator the draw is a plain op, unless `fshard.random.generator` made it: then
     the result also varies over the axes its stream differs over."""
+    given = (args, kwargs)  # (the operands before their casts: their per-rank shapes)
     hit = _random_rule(func) if tr.compiled else _RULES.get(func)  # (compiled: trace-time constants)
     if hit is None:
         hit = _RULES[func] = _random_rule(func)
@@ -766,7 +766,7 @@ def _random(func, tr: Trace, args, kwargs):
             _global_draw[:] = (tr.id, label)
     else:
         extra = 0
-    union = extra | _operand_bits(args, tr) | _operand_bits(kwargs.values(), tr)
+    union = extra | _operand_bits(args, tr) | _operand_bits(kwargs.values(), tr) | tr.taint
     at = rule[2] if rule is not None else None
     inplace = writes or (
         at is not None and bool(kwargs.get("inplace", args[at] if len(args) > at else False))
@@ -780,6 +780,8 @@ def _random(func, tr: Trace, args, kwargs):
             cast = _cast_args(kwargs.values(), tr, union)
             kwargs = {k: (a if a is dst else b) for (k, a), b in zip(kwargs.items(), cast)}
     out = func(*args, **kwargs)
+    if tr.uneven and not tr.compiled:  # (a draw's shape is its operands' and arguments')
+        _shapes.propagate(func, tr, *given, out)
     if union:
         out = _tag_out(out, tr, union)
         if isinstance(dst, _Tensor):
@@ -795,8 +797,8 @@ _HANDLERS = {
         _refuse_varying,
         _to_python,
         _iterate,
-        _shape,
-        _length,
+        _shapes._shape,
+        _shapes._length,
         _data_dependent,
         _random,
         _foreach,

@@ -3,10 +3,12 @@
 - Shapes: with 10 rows cut 3, 3, 3, 1 over ``dp``, ``x.shape[0]`` / ``x.size(0)`` / ``x.numel()``
   of a varying block are tracked numbers, so ``torch.tensor(n)``, ``fs.psum(n, "dp")`` and
   ``fs.pmean`` give the global answer (10) on every rank, on 1- and 2-axis meshes; ``len(x)``
-  raises; even calls give plain ints. Expected values are the global tensor's, in one process.
+  gives the local length (a plain int) and taints the call; even calls give plain ints. Expected
+  values are the global tensor's, in one process.
 - Tracked numbers (``.item()``): ``int()``, ``float()``, ``math.sqrt``, ``bool()`` and
-  comparisons raise ``fs.TracingError`` with the full message on every rank; arithmetic,
-  ``round`` and ``math.floor`` stay tracked (the replication check sees them).
+  comparisons give plain values and taint the call (what is made afterwards varies like the
+  number: a replicated claim on it fails the replication check, naming the line), on every
+  rank; arithmetic, ``round`` and ``math.floor`` stay tracked (the replication check sees them).
 """
 
 from __future__ import annotations
@@ -47,11 +49,7 @@ def _rank_uneven_shapes(X, mesh_shape):
         }
         rows = fs.psum(torch.tensor(n, dtype=F64), dp)  # a tensor made from the shape is varying
         mean = fs.psum(x.sum(0), dp) / rows
-        try:
-            len(x)
-            got["len"] = "no error"
-        except fs.TracingError as e:
-            got["len"] = str(e)
+        got["len"] = len(x)  # plain, this rank's length; taints what is made afterwards
         return rows, mean, got
 
     g = fs.shard_map(f, mesh=mesh, in_specs="(dp b) d", out_specs=("", "d", None), check=False)
@@ -90,11 +88,8 @@ def test_shapes_of_uneven_blocks_are_tracked(world, rows, mesh_shape):
     got = run_ranks(world, _rank_uneven_shapes, X, mesh_shape)
     assert_ok([e for e, _, _ in got])
     assert [t for _, t, _ in got] == ["VaryingInt"] * world
-    assert [m for _, _, m in got] == [
-        "fs.shard_map(_rank_uneven_shapes.<locals>.f): len() of a tensor that varies over mesh axis 'dp', "
-        "in a call with uneven blocks (torch.chunk's cut), gives a plain int that may differ between "
-        "ranks, which fshard cannot track; use x.shape[0], which is tracked in such calls"
-    ] * world
+    dp = [r // 2 if mesh_shape == {"dp": 2, "tp": 2} else r for r in range(world)]
+    assert [m for _, _, m in got] == [len(X.chunk(mesh_shape["dp"])[i]) for i in dp]
 
 
 # =============================================================================================
@@ -198,41 +193,35 @@ def _rank_scalar_escapes():
     return got
 
 
-def test_tracked_numbers_refuse_escapes():
+def test_tracked_number_escapes_taint_the_call():
     texts = run_ranks(2, _rank_scalar_escapes)
     assert texts[0] == {**texts[1], "format": "3.0"} and texts[1]["format"] == "7.0"
-    head = "TracingError: fs.shard_map(_rank_scalar_escapes.<locals>.f): "
-    untrackable = (
-        "a Python number that varies over mesh axis 'dp' gives a plain Python value fshard cannot track (a "
-        "value built from it would count as the same on every rank); keep the tracked number (its "
-        "arithmetic, round(), math.floor/ceil/trunc and its use as an argument of torch ops, e.g. "
-        "torch.tensor(v, dtype=torch.float32), are tracked), or keep it a tensor"
-    )
-    compare = (
-        "a comparison (<, <=, >, >=, ==, !=) of a Python number that varies over mesh axis 'dp' gives a "
-        "plain bool (a Python if on it takes a different branch on each rank), which fshard cannot track; "
-        "compare tensors instead (torch.tensor(v) > 0 is tracked) and select with torch.where(cond, a, b)"
-    )
-    want = {
-        "float": f"{head}float() (or a math function) of {untrackable}",
-        "int": f"{head}int() of {untrackable}",
-        "math.sqrt": f"{head}float() (or a math function) of {untrackable}",
-        "math.exp": f"{head}float() (or a math function) of {untrackable}",
-        "if": (
-            f"{head}bool() of a Python number that varies over mesh axis 'dp' (a Python if, while, and/or, or "
-            "assert on it) takes a different branch on each rank, which fshard cannot track; select between "
-            "values with torch.where(cond, a, b) on tensors (torch.tensor(v)), or branch on plain ints from "
-            "the mesh (mesh.axis_index(...)) for per-rank side effects such as logging"
-        ),
-        "<": head + compare,
-        "==": head + compare,
-        "int <": head + compare,
-    }
     check = (
         "SpecError: fs.shard_map(_rank_scalar_escapes.<locals>.f): 1 problem with out_specs (replication "
         "check):\n  - out varies over mesh axis dp but out_spec '' says it is replicated over dp; reduce it "
         "inside f (fs.psum / fs.pmean over 'dp'), mark it as a partial sum with '| sum(dp)', split a dim over "
         "dp in the out_spec, or pass check=False if you know it is the same on every rank"
     )
+    what = {
+        "float": "float() (or a math function) of",
+        "int": "int() of",
+        "math.sqrt": "float() (or a math function) of",
+        "math.exp": "float() (or a math function) of",
+        "if": "bool() (a Python if, while, and/or or assert) of",
+        "<": "a comparison of",
+        "==": "a comparison of",
+        "int <": "a comparison of",
+    }
+    want = {
+        k: (
+            f"{check}\nf branched on a value that varies across ranks ({w} a value that varies over mesh axis "
+            f"'dp', at test_escapes.py:{ESCAPE_ROUTES[k].__code__.co_firstlineno}), so the ranks may have run "
+            "different code from there on: every value made after it (and any value it may have chosen) counts "
+            "as varying over those axes; reduce the output after the branch (the result of fs.psum / fs.pmean / "
+            "fs.all_gather(..., invariant=True) over them is the same on every rank), or select with "
+            "torch.where(cond, a, b) instead of the branch"
+        )
+        for k, w in what.items()
+    }
     want.update({k: check for k in TRACKED_ROUTES})
     assert {k: v for k, v in texts[0].items() if k != "format"} == want

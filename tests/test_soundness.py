@@ -166,39 +166,22 @@ def _rank_escape(route):
 
     x = torch.ones(2, 3, dtype=torch.float64, requires_grad=route == "inplace_grad")
     try:
-        fs.shard_map(f, mesh=mesh, in_specs="...", out_specs="(pp a) ...")(x.unsqueeze(0).expand(2, 2, 3))
+        out = fs.shard_map(f, mesh=mesh, in_specs="...", out_specs="(pp a) ...")(
+            x.unsqueeze(0).expand(2, 2, 3)
+        )
     except fs.TracingError as e:
         return str(e)
-    return "no error"
+    return out.full().detach()
 
 
 _HEAD = "fs.shard_map(_rank_escape.<locals>.f): "
-ESCAPES = {
-    "if": (
-        "bool() of a tensor that varies over mesh axis 'pp' (a Python if, while, and/or, or assert on it) "
-        "takes a different branch on each rank, which fshard cannot track; select between values with "
-        "torch.where(cond, a, b), or branch on plain ints from the mesh (mesh.axis_index(...)) for per-rank "
-        "side effects such as logging"
-    ),
-    "int": (
-        "int() of a tensor that varies over mesh axis 'pp' gives a Python number fshard cannot track (a value "
-        "built from it would count as the same on every rank); keep it a tensor (x.narrow(0, start, n), "
-        "index_select, torch.where accept tensors), or use .item(), whose result is tracked in slices, "
-        "arguments and arithmetic"
-    ),
-    "float": (
-        "float() of a tensor that varies over mesh axis 'pp' gives a Python number fshard cannot track (a "
-        "value built from it would count as the same on every rank); keep it a tensor (x.narrow(0, start, "
-        "n), index_select, torch.where accept tensors), or use .item(), whose result is tracked in slices, "
-        "arguments and arithmetic"
-    ),
-    "index": (
-        "a Python index from a tensor that varies over mesh axis 'pp' gives a Python number fshard cannot "
-        "track (a value built from it would count as the same on every rank); keep it a tensor (x.narrow(0, "
-        "start, n), index_select, torch.where accept tensors), or use .item(), whose result is tracked in "
-        "slices, arguments and arithmetic"
-    ),
-    "numpy": None,  # x is invariant: .numpy() of an invariant tensor is fine
+_ONES = torch.ones(2, 2, 3, dtype=torch.float64)
+ESCAPES = {  # a branch on a varying value runs (the result varies over pp, as its out_spec says)
+    "if": torch.cat([_ONES * 2, _ONES]),  # pp 0 doubles x, pp 1 returns it
+    "int": torch.ones(4, 3, dtype=torch.float64),  # x[0] on pp 0, x[1] on pp 1
+    "float": torch.cat([_ONES * 0, _ONES]),
+    "index": torch.cat([_ONES, _ONES * 2]),
+    "numpy": torch.cat([_ONES, _ONES]),  # x is invariant: .numpy() of an invariant tensor is fine
     "inplace_grad": (
         "in-place __setitem__ writes a value that varies over mesh axis 'pp' into a tensor that needs a "
         "gradient and does not vary over them, so its gradient could not be summed over those axes; use the "
@@ -208,16 +191,15 @@ ESCAPES = {
 
 
 @pytest.mark.parametrize("route", list(ESCAPES))
-def test_untrackable_escapes_raise_on_every_rank(route):
+def test_escapes_run_or_raise_on_every_rank(route):
     texts = run_ranks(4, _rank_escape, route)
-    assert texts == [texts[0]] * 4, "ranks disagree"
     want = ESCAPES[route]
-    if want is None:
-        assert (
-            texts[0].startswith("fs.shard_map(_rank_escape.<locals>.f): 1 problem") or texts[0] == "no error"
-        )
-    else:
-        assert texts[0] == _HEAD + want
+    if isinstance(want, torch.Tensor):
+        for r, got in enumerate(texts):
+            torch.testing.assert_close(got, want, msg=f"rank {r}")
+        return
+    assert texts == [texts[0]] * 4, "ranks disagree"
+    assert texts[0] == _HEAD + want
 
 
 def _rank_numpy_varying():
@@ -228,18 +210,26 @@ def _rank_numpy_varying():
 
     try:
         fs.shard_map(f, mesh=mesh, in_specs="(dp b)", out_specs="")(torch.ones(4))
-    except fs.TracingError as e:
+    except fs.SpecError as e:
         return str(e)
     return "no error"
 
 
-def test_numpy_of_varying_raises():
+def test_numpy_of_varying_taints_the_call():
+    # what is built from the numpy array varies like x: its replicated claim fails, naming the line
     texts = run_ranks(2, _rank_numpy_varying)
     assert texts == [texts[0]] * 2
+    line = _rank_numpy_varying.__code__.co_firstlineno + 4
     assert texts[0] == (
-        "fs.shard_map(_rank_numpy_varying.<locals>.f): .numpy() of a tensor that varies over mesh axis 'dp' "
-        "leaves fshard's tracking (a value built from it would count as the same on every rank); use .tolist() "
-        "or .item(), which are tracked, or convert the output of the shard_map'd function"
+        "fs.shard_map(_rank_numpy_varying.<locals>.f): 1 problem with out_specs (replication check):\n"
+        "  - out varies over mesh axis dp but out_spec '' says it is replicated over dp; reduce it inside f "
+        "(fs.psum / fs.pmean over 'dp'), mark it as a partial sum with '| sum(dp)', split a dim over dp in the "
+        "out_spec, or pass check=False if you know it is the same on every rank\n"
+        "f branched on a value that varies across ranks (.numpy() of a value that varies over mesh axis 'dp', "
+        f"at test_soundness.py:{line}), so the ranks may have run different code from there on: every value "
+        "made after it (and any value it may have chosen) counts as varying over those axes; reduce the output "
+        "after the branch (the result of fs.psum / fs.pmean / fs.all_gather(..., invariant=True) over them is "
+        "the same on every rank), or select with torch.where(cond, a, b) instead of the branch"
     )
 
 
