@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from . import _compile, _vma
 from ._errors import SpecError, TracingError, report
+from ._scalars import taint_note, taint_of
 
 __all__ = ["check_unmodified", "check_outputs", "problems_report"]
 
@@ -53,7 +54,7 @@ def check_outputs(name: str, mesh, leaves, plans, tr, passed) -> None:
         if p.kind is passed:
             continue
         v = _vma.get(x, tr)
-        extra = (v | _vma.taint_of(x, tr)) & ~p.allowed
+        extra = (v | taint_of(x, tr)) & ~p.allowed
         if extra:
             problems.append(_replicated(x, p, mesh.names_of(extra)))
             kinds.add("replication")
@@ -66,7 +67,7 @@ def check_outputs(name: str, mesh, leaves, plans, tr, passed) -> None:
     which = " and ".join(sorted(kinds, reverse=True))
     msg = problems_report(name, "out_specs", problems, kind=f"{which} check{'s' if len(kinds) > 1 else ''}")
     if "replication" in kinds:
-        msg += _vma.taint_note(tr)
+        msg += taint_note(tr)
     drew = _vma.global_draw(tr) if "replication" in kinds else None
     if drew is not None:
         msg += (

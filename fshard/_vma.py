@@ -20,7 +20,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _compile, _shapes
+from . import _comm, _compile, _scalars, _shapes
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
@@ -29,19 +29,13 @@ from ._primitives import AllReduce, Pvary, _functorch_active, apply
 from ._scalars import (
     _ATTR,
     _CARRIERS,
-    _LEAVES,
     _is_wrapped,
     _plain_args,
     _scan,
     _stack,
-    _unwrap,
-    _varying_axes_text,
-    _varying_scalar,
-    compiled_branch,
     hidden_bits,
     needs_grad,
     taint,
-    taint_note,  # noqa: F401  (for shard_map's replication check)
     taint_of,
 )
 from ._twins import _derive_twin, _drop_twins, _twin_entry, _twin_of
@@ -234,7 +228,7 @@ def _tag_wrapped(t, tag: tuple) -> None:
     """Tag the tensors a torch.func wrapper ``t`` wraps (a batch or a primal varies like its
     wrapper), so that the transform's result keeps the mask once unwrapped."""
     while _is_wrapped(t):
-        t = _unwrap(t)
+        t = _scalars._unwrap(t)
         setattr(t, _ATTR, tag)
 
 
@@ -545,11 +539,11 @@ def _to_python(func, tr: Trace, args, kwargs):
 def _mark(x, tid: int, bits: int):
     if type(x) is list:
         return [_mark(y, tid, bits) for y in x]
-    return _varying_scalar(x, tid, bits)
+    return _scalars._varying_scalar(x, tid, bits)
 
 
 _LEAVE = {  # a tensor's way out of tracking -> what the taint record calls it
-    "__bool__": _LEAVES["__bool__"],
+    "__bool__": _scalars._LEAVES["__bool__"],
     "__int__": "int() of",
     "__float__": "float() of",
     "__index__": "a Python index from",
@@ -580,7 +574,7 @@ def _refuse_varying(func, tr: Trace, args, kwargs):
     bits = _self_bits(tr, args)
     if bits:
         if tr.compiled:  # (raised at trace time as itself)
-            _compile.fail(TracingError, compiled_branch(tr, bits, _LEAVE[func.__name__]))
+            _compile.fail(TracingError, _scalars.compiled_branch(tr, bits, _LEAVE[func.__name__]))
         taint(tr, bits, _LEAVE[func.__name__])
     return func(*args, **kwargs)
 
@@ -602,7 +596,7 @@ def _check_inplace(func, tr: Trace, args, union: int) -> None:
     have = get(dst, tr)
     if have == union:
         return
-    word, axes = _varying_axes_text(tr, union & ~have)
+    word, axes = _scalars._varying_axes_text(tr, union & ~have)
     name = getattr(func, "__name__", str(func))
     raise TracingError(
         f"fs.shard_map({tr.where}): in-place {name} writes a value that varies over mesh {word} {axes} into "
