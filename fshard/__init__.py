@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time, names load on f
         psum_scatter,
         pvary,
     )
-    from ._comm import CollectiveCounts, count_collectives
+    from ._counts import CollectiveCounts, count_collectives
     from ._debug import debug
     from ._env import restart_count
     from ._errors import (
@@ -83,8 +83,8 @@ _LAZY = {
     "psum": "_collectives",
     "psum_scatter": "_collectives",
     "pvary": "_collectives",
-    "CollectiveCounts": "_comm",
-    "count_collectives": "_comm",
+    "CollectiveCounts": "_counts",
+    "count_collectives": "_counts",
     "debug": "_debug",
     "ArgumentError": "_errors",
     "CheckpointError": "_errors",

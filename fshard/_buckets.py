@@ -50,7 +50,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import _comm, _inflight
+from . import _comm, _compile, _inflight
 from . import _watchdog as _watch
 from ._comm import untracked
 from ._errors import CollectiveError
@@ -561,3 +561,32 @@ def wrap(
         else:
             tr.twins[id(vis)] = twin_entry(vis, twin, k, state, None, _version(vis, tr))
     return out
+
+
+class _ScaleCotangent(torch.autograd.Function):
+    """Identity forward; the backward multiplies the cotangent by ``scale`` (``check=False``)."""
+
+    @staticmethod
+    def forward(x, scale):
+        with untracked():
+            return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ct):
+        return ct * ctx.scale, None
+
+    @staticmethod
+    def jvp(ctx, x_t, _):  # the forward is the identity
+        return x_t.clone()
+
+    @staticmethod
+    def vmap(info, in_dims, x, scale):
+        return apply(_ScaleCotangent, x, scale), in_dims[0]
+
+
+_compile.hide_jvp([_ScaleCotangent])  # as the primitives' (torch.compile of check=False)
+_compile.mark_backward([_ScaleCotangent])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from . import _compile, _vma
 from ._errors import SpecError, TracingError, report
-from ._scalars import taint_note, taint_of
 
 __all__ = ["check_unmodified", "check_outputs", "problems_report"]
 
@@ -53,8 +52,8 @@ def check_outputs(name: str, mesh, leaves, plans, tr, passed) -> None:
     for x, p in zip(leaves, plans):
         if p.kind is passed:
             continue
-        v = _vma.get(x, tr)
-        extra = (v | taint_of(x, tr)) & ~p.allowed
+        v = _vma.get(x, tr) | _vma.taint_of(x, tr)  # (after a branch on a varying value: may vary)
+        extra = v & ~p.allowed
         if extra:
             problems.append(_replicated(x, p, mesh.names_of(extra)))
             kinds.add("replication")
@@ -67,7 +66,7 @@ def check_outputs(name: str, mesh, leaves, plans, tr, passed) -> None:
     which = " and ".join(sorted(kinds, reverse=True))
     msg = problems_report(name, "out_specs", problems, kind=f"{which} check{'s' if len(kinds) > 1 else ''}")
     if "replication" in kinds:
-        msg += taint_note(tr)
+        msg += _vma.taint_note(tr)
     drew = _vma.global_draw(tr) if "replication" in kinds else None
     if drew is not None:
         msg += (

@@ -43,6 +43,7 @@ from ._comm import untracked
 from ._errors import ArgumentError, CollectiveError
 from ._layout import chunk_sizes
 from ._numbers import _after_branch, _is_number, _is_tracked_number, _psum_number
+from ._operand_shapes import same_shapes, uneven_tiling
 from ._primitives import (
     AllGather,
     AllGatherCoalesced,
@@ -59,6 +60,7 @@ from ._primitives import (
     ReduceScatterCoalesced,
     ReduceScatterDone,
     gather_operand,
+    pick,
     split_blocks,
 )
 from ._primitives import apply as _apply
@@ -126,47 +128,16 @@ def _prologue(x: _U, axis, where: str) -> tuple[Any, Any, int, int, _U]:
         )
     g = tr.mesh.axis_group(axis, where)
     if tr.uneven and g.size > 1 and where not in _NO_SHAPE_CHECK:
-        _same_shapes(_shapes([x], g), g, where)
+        same_shapes(_comm.gather_shapes([x], g, None, f"fs.{where}"), g, where)
     v = _vma.get(x, tr)
     if tr.taint:  # after a branch on a varying value: x may be the one a branch chose (_vma.operand)
         x, v = _vma.operand(x, tr, v)
     return tr, g, tr.mesh.bits(g.names), v, x
 
 
-# -- uneven blocks ----------------------------------------------------------------------------
-# In a call with an input split unevenly (torch.chunk's blocks), ranks may hold operands of
-# different shapes. A collective over such operands would fail on some ranks and wait forever
-# on others; so in such calls every collective first gathers its operands' shapes (one small
-# all-gather) and either raises the same error on every rank or, for a tiled all_gather of
-# blocks that differ only along the gathered dim, gathers them unevenly.
-
-
-def _shapes(xs, g) -> list[list[tuple[int, ...]]] | None:
-    """The shapes of ``xs`` at each index of ``g`` (one small all-gather), or None if all agree."""
-    shapes = _comm.gather_shapes(xs, g)
-    return None if all(s == shapes[0] for s in shapes) else shapes
-
-
-def _same_shapes(shapes, g, where: str, paths=None) -> None:
-    """A CollectiveError (the same on every rank) when the operands' shapes differ across ``g``."""
-    if shapes is None:
-        return
-    ax = " ".join(g.names)
-    k = next(k for k in range(len(shapes[0])) if any(s[k] != shapes[0][k] for s in shapes))
-    held = "; ".join(f"index {i}: {s[k]}" for i, s in enumerate(shapes))
-    at = f" at {paths[k]}" if paths else ""
-    raise CollectiveError(
-        f"fs.{where} over {ax}: the operand{at} has a different shape on different ranks of {ax} ({held}), "
-        f"because an input of this call is split unevenly (torch.chunk's blocks); fs.{where} needs the same "
-        f"shape on every rank. Pad the blocks to the largest (torch.nn.functional.pad) or reduce them to a "
-        f"shape that agrees (e.g. x.sum(0)) first; fs.all_gather(x, axis, dim, tiled=True) of one tensor "
-        f"accepts blocks that differ along dim"
-    )
-
-
-def _tree_prologue(tree, axis, where: str):
+def _tree_prologue(tree, axis, where: str, check: bool = True):
     """The trace, axis group, axis bits, tensor leaves and treedef of a pytree operand (whose
-    shapes must agree across ranks, in a call with uneven blocks)."""
+    shapes must agree across ranks, in a call with uneven blocks, when ``check``)."""
     tr = _vma.current(where)
     g = tr.mesh.axis_group(axis, where)
     leaves, treedef = optree.tree_flatten(tree)
@@ -181,28 +152,10 @@ def _tree_prologue(tree, axis, where: str):
             f"fs.{where} expects a torch.Tensor or a pytree of tensors, got {type(leaves[i]).__name__} "
             f"at {accessors[i].codify('x')}"
         )
-    if tr.uneven and g.size > 1 and leaves:
-        shapes = _shapes(leaves, g)
-        if shapes is not None:
-            accessors, _, _ = optree.tree_flatten_with_accessor(tree)
-            _same_shapes(shapes, g, where, [a.codify("x") for a in accessors])
+    if check and tr.uneven and g.size > 1 and leaves:
+        paths = [a.codify("x") for a in optree.tree_flatten_with_accessor(tree)[0]]
+        same_shapes(_comm.gather_shapes(leaves, g, None, f"fs.{where}", paths), g, where, paths)
     return tr, g, tr.mesh.bits(g.names), leaves, treedef
-
-
-def _uneven_tiling(x, g, dim: int, tiled: bool):
-    """``tiled`` for an all_gather in a call with uneven blocks: the block lengths along ``dim``
-    when the ranks' blocks differ only there (tiled), else ``tiled`` or an error."""
-    shapes = _shapes([x], g)
-    if shapes is None:
-        return tiled
-    same_rest = all(
-        len(s[0]) == x.dim() and s[0][:dim] + s[0][dim + 1 :] == x.shape[:dim] + x.shape[dim + 1 :]
-        for s in shapes
-    )
-    if tiled and same_rest:
-        return tuple(s[0][dim] for s in shapes)
-    _same_shapes(shapes, g, "all_gather")
-    return tiled
 
 
 def _tree_map(fn, tree, axis, where: str):
@@ -381,7 +334,8 @@ def pmax(x: _T, axis) -> _T:
 
     Gradient: the cotangent goes to the ranks whose value equals the maximum, split evenly
     among ties (as ``torch.amax`` does over the stacked values); it costs one all-reduce of
-    the tie counts in the backward.
+    the tie counts in the backward. A NaN on any rank gives NaN, as ``torch.amax`` does (value,
+    gradient and tangent), also on backends whose max drops NaN.
 
     Examples:
         >>> m = fs.pmax(scores.amax(-1), "tp")
@@ -453,7 +407,7 @@ def all_gather(
     dim = _norm_dim(dim, ndim, "all_gather")
     x = _vary(x, tr, v, bits)
     if tr.uneven and g.size > 1:
-        tiled = _uneven_tiling(x, g, dim, tiled)
+        tiled = uneven_tiling(x, g, dim, tiled)
     if async_op:
         if invariant:
             raise CollectiveError(
@@ -489,7 +443,7 @@ def all_gather(
 
 
 def _all_gather_tree(tree, axis, dim, tiled, invariant):
-    tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, "all_gather")
+    tr, g, bits, leaves, treedef = _tree_prologue(tree, axis, "all_gather", check=False)
     accessors = optree.tree_flatten_with_accessor(tree)[0]
     if isinstance(dim, int):
         per_leaf = [dim] * len(leaves)
@@ -512,17 +466,25 @@ def _all_gather_tree(tree, axis, dim, tiled, invariant):
         ]
         return optree.tree_unflatten(treedef, queued)
     leaves, vs = _vma.operands(leaves, tr)
+    tiling = tiled  # per leaf where some leaf's blocks are uneven (as the per-leaf form gathers them)
+    if tr.uneven and g.size > 1 and leaves:  # one small all-gather of every leaf's shape
+        paths = [a.codify("x") for a in accessors]
+        shapes = _comm.gather_shapes(leaves, g, None, "fs.all_gather", paths)
+        tiling = tuple(
+            uneven_tiling(x, g, d, tiled, shapes, k, paths[k]) for k, (x, d) in enumerate(zip(leaves, dims))
+        )
+        tiling = tiled if all(t is tiled for t in tiling) else tiling
     xs = [_vary(x, tr, v, bits) for x, v in zip(leaves, vs)]
     out = list(xs)
     for _, idx in _by_dtype(xs, range(len(xs))).items():
+        sub, ts = tuple(dims[i] for i in idx), pick(tiling, idx)
         if len(idx) == 1:
-            i = idx[0]
-            ys = (_apply(AllGatherInvariant if invariant else AllGather, xs[i], g, dims[i], tiled),)
+            one = ts[0] if type(ts) is tuple else ts
+            ys = (_apply(AllGatherInvariant if invariant else AllGather, xs[idx[0]], g, sub[0], one),)
         else:
-            sub = tuple(dims[i] for i in idx)
-            ys = _apply(AllGatherCoalesced, g, sub, tiled, invariant, *[xs[i] for i in idx])
+            ys = _apply(AllGatherCoalesced, g, sub, ts, invariant, *[xs[i] for i in idx])
         if _reshard.active():
-            _reshard.gather_again_many(ys, [xs[i] for i in idx], g, [dims[i] for i in idx], tiled, invariant)
+            _reshard.gather_again_many(ys, [xs[i] for i in idx], g, list(sub), ts, invariant)
         for i, y in zip(idx, ys):
             out[i] = y
     for y, v in zip(out, vs):

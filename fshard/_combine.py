@@ -50,7 +50,7 @@ from collections import deque
 
 import torch
 
-from . import _comm, _reshard, _vma
+from . import _comm, _counts, _reshard, _vma
 from . import _watchdog as _watch
 from ._comm import untracked
 from ._primitives import (
@@ -60,7 +60,7 @@ from ._primitives import (
     _owned,
     _untracked,
     apply,
-    local_block,
+    invariant_slice,
     split_blocks,
 )
 
@@ -135,7 +135,8 @@ def psum_later(x, axis, tr):
         g = tr.mesh.axis_group(tr.mesh.names_of(bits), "psum")  # in mesh order, as run at once
         out = empty(x.shape, x, _PsumT(g))
         key = ("psum", g.names, False, False, x.dtype, x.device, torch.is_grad_enabled(), False)
-        nbytes = out.numel() * out.element_size()
+        with untracked():  # the result is not tagged yet: no mode (an fs.switch branch's guard) may see it
+            nbytes = out.numel() * out.element_size()
     finally:
         release(tr, held)
     push(tr, key, g, x, out, 0, nbytes)
@@ -172,7 +173,8 @@ def all_gather_later(x, axis, dim, tiled, invariant, tr, norm_dim):
             torch.is_grad_enabled(),
             _reshard.active() and x.requires_grad,  # gathered again in the backward
         )
-        nbytes = out.numel() * out.element_size()
+        with untracked():  # the result is not tagged yet: no mode (an fs.switch branch's guard) may see it
+            nbytes = out.numel() * out.element_size()
     finally:
         release(tr, held)
     push(tr, key, g, x, out, dim, nbytes)
@@ -203,7 +205,20 @@ def _issued_level():
 class Bucket:
     """Queued calls of one key (kind, axes, options, dtype, device, grad mode), in issue order."""
 
-    __slots__ = ("key", "g", "items", "nbytes", "site", "launched", "fill", "ids", "outs", "early", "gathers")
+    __slots__ = (
+        "key",
+        "g",
+        "items",
+        "nbytes",
+        "site",
+        "launched",
+        "fill",
+        "ids",
+        "outs",
+        "early",
+        "gathers",
+        "members",
+    )
 
     def __init__(self, key, g, site):
         self.key = key
@@ -217,6 +232,7 @@ class Bucket:
         self.outs: list | None = None  # the results, launched and not yet filled
         self.early: Early | None = None  # their gradients' reduce-scatter, run early (all_gather)
         self.gathers: _reshard.Gathers | None = None  # fs.reshard_after_forward: gathered again
+        self.members: tuple = ()  # once launched: what every rank must agree it holds (`agreed`)
 
     def launch(self) -> None:
         """Start the bucket's calls as one coalesced collective (recording its autograd node);
@@ -231,6 +247,14 @@ class Bucket:
         dims = tuple(d for _, _, d in self.items)
         self.launched = True
         self.outs = outs
+        # its size depends on what this rank queued: the ranks agree on its members before it is sent
+        self.members = (
+            kind,
+            bool(tiled),
+            bool(invariant),
+            str(xs[0].dtype),
+            tuple((tuple(x.shape), d) for x, d in zip(xs, dims)),
+        )
         if kind == "all_gather" and grad and not invariant and ahead():
             self.early = Early(self.g, dims, tiled, len(xs))
         self.items = []  # the operands are packed: only the fill holds the results
@@ -243,7 +267,23 @@ class Bucket:
                     apply(AllReduceInto, self.g, self, len(xs), *xs, *outs)
         finally:
             _watch.S.site = None
-        _comm.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
+        _counts.record_combined("all_gather" if kind == "all_gather" else "all_reduce", self.g, len(xs))
+
+    def agreed(self):
+        """What the ranks agree on before the collective is sent (its tags carry it: ranks whose
+        buckets differ raise the same `CollectiveError` instead of sending buffers of different
+        sizes), and its description in that error."""
+        kind, tiled, _, _, members = self.members
+
+        def what() -> str:
+            if kind == "all_gather":
+                shown = ", ".join(f"{shape} at dim {d}" for shape, d in members)
+            else:
+                shown = ", ".join(str(shape) for shape, _ in members)
+            calls = f"{len(members)} call{'s' if len(members) != 1 else ''}"
+            return f"combining {calls} of {'tiled ' if tiled else ''}{kind}: {shown}"
+
+        return self.members, what
 
     def wait(self) -> None:
         """Wait for the launched collective and fill the results (once)."""
@@ -457,7 +497,7 @@ class _GatherT:
 
     def __call__(self, ct):
         if self.invariant:
-            return local_block(ct, self.g, self.dim, self.tiled)
+            return invariant_slice(ct, self.g, self.dim, self.tiled)
         return apply(ReduceScatter, ct, self.g, self.dim, self.tiled)
 
 
@@ -479,7 +519,7 @@ class AllGatherInto(torch.autograd.Function):
     def forward(g, dims, tiled, invariant, bucket, n, *args):
         xs, outs = args[:n], args[n:]
         shapes = [x.shape for x in xs]
-        handle = _comm.all_gather_start(_pack(xs), g)  # [N, total]; row i from index i
+        handle = _comm.all_gather_start(_pack(xs), g, *bucket.agreed())  # [N, total]; row i from index i
 
         def fill():
             blocks = handle.wait()
@@ -511,14 +551,14 @@ class AllGatherInto(torch.autograd.Function):
         g, dims, tiled, invariant, n = ctx.args
         early = ctx.early
         if invariant:
-            grads = tuple(local_block(ct, g, d, tiled) for ct, d in zip(cts, dims))
+            grads = tuple(invariant_slice(ct, g, d, tiled) for ct, d in zip(cts, dims))
         elif early is not None and early.started():
             grads = early.result()  # reduce-scattered during the backward (`Arrived`)
         else:
             if early is not None:  # some results got no gradient: the ones that did were kept
                 cts = early.merge(cts)
             grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
-            _comm.record_combined("reduce_scatter", g, n)
+            _counts.record_combined("reduce_scatter", g, n)
         return (None, None, None, None, None, None, *grads, *([None] * n))
 
 
@@ -531,7 +571,7 @@ class AllReduceInto(torch.autograd.Function):
     def forward(g, bucket, n, *args):
         xs, outs = args[:n], args[n:]
         sizes = [x.numel() for x in xs]
-        handle = _comm.all_reduce_start_(_pack(xs), g)
+        handle = _comm.all_reduce_start_(_pack(xs), g, *bucket.agreed())
 
         def fill():
             buf = handle.wait()
@@ -594,7 +634,7 @@ class Early:
                 shapes = [p.shape[1:] for p in parts]
                 del parts
                 handle = _comm.reduce_scatter_start(buf, self.g)
-            _comm.record_combined("reduce_scatter", self.g, len(shapes))
+            _counts.record_combined("reduce_scatter", self.g, len(shapes))
             del buf
 
             def finish():

@@ -1,6 +1,6 @@
-"""Raw communication on an `AxisGroup`, plus collective counting.
+"""Raw communication on an `AxisGroup`.
 
-Every byte fshard moves goes through a function here, so `count_collectives` sees
+Every byte fshard moves goes through a function here, so `count_collectives` (`_counts`) sees
 all of it (forward and backward). These functions know nothing of autograd or of
 varying-axes tracking; ``_collectives.py`` builds the differentiable primitives on them.
 All of them run with torch-function handling disabled so that shard_map's tracking mode
@@ -20,135 +20,17 @@ results on one rank (`gather_blocks`, `reduce_`), `scatter` and `broadcast_objec
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-from dataclasses import dataclass, field
+import zlib
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (the ops' fake kernels, for tracing)
 
-from . import _inflight
+from . import _counts, _errors, _inflight, _wire
 from . import _watchdog as _watch
 from ._mesh import AxisGroup
 
-__all__ = ["count_collectives", "CollectiveCounts"]  # the public part; the rest is internal
-
-
-@dataclass
-class CollectiveCounts:
-    """What `count_collectives` saw: one ``(kind, axes, nbytes)`` record per call.
-
-    ``kind`` is one of ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
-    ``ppermute``, ``broadcast``, ``scatter``, ``gather``, ``reduce``; ``axes`` is the tuple of
-    mesh axes; ``nbytes`` is the size of the tensor each rank hands to the collective. A
-    ``ppermute`` is point-to-point: a rank records the bytes it sends (0 if it only receives),
-    and a rank that no pair involves issues nothing and records nothing. ``gather`` and
-    ``reduce`` (results on one rank) are recorded only by the ranks that take part.
-
-    Per-leaf ``fs.all_gather`` and ``fs.psum`` calls issued before their results are used run
-    combined, as one collective (see the debugging page): ``records`` has what went on the wire,
-    ``combined`` one ``(kind, axes, calls)`` record per combined collective, and ``calls`` the
-    number of user calls in all.
-
-    Examples:
-        >>> with fs.count_collectives() as counts:
-        ...     loss = step(params, batch)
-        >>> counts.total, counts.calls   # 2 collectives on the wire for 7 calls
-        (2, 7)
-    """
-
-    records: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
-    #: one ``(kind, axes, calls)`` record per combined collective: how many user calls (one leaf
-    #: each) it carries; see fshard's docs on combining. Its collective is also in ``records``.
-    combined: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
-
-    @property
-    def total(self) -> int:
-        """Number of collectives issued."""
-        return len(self.records)
-
-    @property
-    def bytes(self) -> int:
-        """Bytes handed to collectives by this rank."""
-        return sum(r[2] for r in self.records)
-
-    def by_kind(self) -> Counter:
-        """A Counter of ``(kind, axes)`` to number of calls."""
-        return Counter((k, a) for k, a, _ in self.records)
-
-    @property
-    def calls(self) -> int:
-        """Number of user calls the collectives carry: each combined collective counts the calls
-        it combined, every other collective one."""
-        return self.total + sum(n - 1 for _, _, n in self.combined)
-
-    def __repr__(self) -> str:
-        parts = [f"{k}{list(a)}: {n}" for (k, a), n in sorted(self.by_kind().items())]
-        calls = self.calls
-        more = f"; {calls} calls combined into {self.total}" if calls != self.total else ""
-        return f"CollectiveCounts({', '.join(parts) or 'none'}; {self.bytes} bytes{more})"
-
-
-_recorders: list[CollectiveCounts] = []
-compiled_counted = False
-"""True while an ``fs.compile``'d function runs with the inductor backend, whose graphs count their
-collectives themselves (``_graph_counts``): traced code then does not look at `_recorders`."""
-
-
-def counting_refused() -> bool:
-    """While Dynamo traces: whether a count is running that the graph would not count (plain
-    ``torch.compile``, or ``fs.compile`` with another backend than inductor)."""
-    return not compiled_counted and bool(_recorders)
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Count the collectives fshard issues inside the block, forward and backward.
-
-    Calls of functions compiled with ``fs.compile`` (inductor backend) are counted too: the
-    collectives of the graphs that run, after inductor's bucketing (``combined`` has each bucket
-    of several user calls). A shard_map call traced by plain ``torch.compile``, or by
-    ``fs.compile`` with another backend, inside the block raises a `TracingError`.
-
-    Yields:
-        CollectiveCounts: filled in as collectives run.
-
-    Examples:
-        >>> with fs.count_collectives() as counts:
-        ...     loss = step(params, batch)
-        ...     loss.backward()
-        >>> counts.by_kind()
-        Counter({('all_reduce', ('dp',)): 3})
-    """
-    rec = CollectiveCounts()
-    _recorders.append(rec)
-    try:
-        yield rec
-    finally:
-        _recorders.remove(rec)
-
-
-def _record(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
-    if _recorders:
-        item = (kind, g.names, t.numel() * t.element_size())
-        for r in _recorders:
-            r.records.append(item)
-
-
-def _record_traced(kind: str, g: AxisGroup, t: torch.Tensor) -> None:
-    """`_record` while Dynamo traces: under plain torch.compile the trace is where a count sees the
-    call (Dynamo guards on the counts, so a call in a new count traces again); an ``fs.compile``'d
-    graph counts its collectives itself when it runs (``_graph_counts``)."""
-    if not compiled_counted:
-        _record(kind, g, t)
-
-
-def record_combined(kind: str, g: AxisGroup, calls: int) -> None:
-    """Note that the collective just recorded carries ``calls`` user calls (see `CollectiveCounts`)."""
-    if _recorders and g.size > 1:
-        item = (kind, g.names, calls)
-        for r in _recorders:
-            r.combined.append(item)
+__all__: list[str] = []  # internal (the counts: `_counts`)
 
 
 _profiling = torch.autograd._profiler_enabled
@@ -198,11 +80,11 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None):
     if _ABSTRACT[0]:
         raise Abstract(f"a {kind} over {', '.join(g.names)} while tracing for types only")
     if _compiling():  # a compiled graph shows the functional ops themselves
-        _record_traced(kind, g, t)
+        _counts.record_traced(kind, g, t)
         return _NO_SPAN
     if g.size > 1:  # gloo: the collectives still in flight over the group first (see _inflight)
         _inflight.drain(_name(g))
-    _record(kind, g, t)
+    _counts.record(kind, g, t)
     _watch.begin(kind, g, t, salt, what)
     if not _profiling():
         return _NO_SPAN
@@ -323,6 +205,19 @@ def _tag_check(tags: torch.Tensor | None, rec: tuple | None, g: AxisGroup) -> No
         _watch.check_gathered_tags(_wait(tags, rec).tolist(), rec, g, tags.device)  # type: ignore[arg-type]
 
 
+def _agree(t: torch.Tensor, g: AxisGroup, salt, what) -> None:
+    """Before the data of the collective just issued (a combined one, whose size depends on what each
+    rank queued): its tags, with ``salt`` (what it holds), all-reduced in a buffer of a fixed size
+    and compared, so that ranks whose buckets differ raise the same `CollectiveError` instead of
+    sending buffers of different sizes (see ``_watchdog.agree``). Off with the tags
+    (``FSHARD_DESYNC_TAGS=0``), off the CPU, and under ``fs.debug`` (which checked it already)."""
+    if salt is None or _watch.S.check or not _watch.S.tags or t.device.type != "cpu" or not _real(g):
+        return
+    rec = issued()
+    if rec is not None:
+        _watch.agree(rec, g, t.device, salt, what)
+
+
 def _name(g: AxisGroup) -> str:
     """The name of the group's ProcessGroup, by which the functional ops find it."""
     name = g.pg_name  # a plain string: torch.compile reads it as a constant
@@ -367,18 +262,49 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM, what: str | 
             return t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()
         name = _OP_NAMES[op]
+        if not _compiling() and (how := _wire.plan(g, t, name)) is not None:  # a dtype the backend lacks
+            return _wire.from_wire(all_reduce(_wire.to_wire(t, how), g, op, what), t.dtype, how)
         desc = None if what is None else (lambda: what)
         with _issue("all_reduce", g, t, what, desc):  # the range covers the wait, as for any blocking call
             rec, tags = _reduce_tags(t, g, name, what)
-            if tags is None:
+            nans = _nan_marks(t) if name in ("max", "min") and t.is_floating_point() else None
+            if tags is None and nans is None:
                 return _wait(_launch(_ALL_REDUCE, t, name, _name(g)), rec)
-            n = t.numel()  # the data and its tags in one buffer (the copy the out-of-place op makes)
-            buf = torch.empty(n + len(tags), dtype=t.dtype, device=t.device)
+            n = t.numel()  # the data, NaN marks and tags in one buffer (the copy the out-of-place op makes)
+            k = n if nans is None else n + nans.numel()
+            buf = torch.empty(k + len(tags or ()), dtype=t.dtype, device=t.device)
             buf[:n].copy_(t.view(-1))
-            buf[n:].copy_(torch.tensor(tags, dtype=t.dtype))
-            buf = _wait(_launch(_ALL_REDUCE_, buf, name, _name(g)), rec)
-            _watch.check_reduced_tags(buf[n:].tolist(), tags, g.size, name, rec, g, t.device, desc)  # type: ignore[arg-type]
-            return buf[:n].view(t.shape)
+            if nans is not None:
+                buf[n:k].copy_(nans if name == "max" else -nans)  # 1 (max) or -1 (min) where NaN
+            if tags is not None:
+                buf[k:].copy_(torch.tensor(tags, dtype=t.dtype))
+            buf = _wait(_launch(_ALL_REDUCE if _compiling() else _ALL_REDUCE_, buf, name, _name(g)), rec)
+            if tags is not None:
+                _watch.check_reduced_tags(buf[k:].tolist(), tags, g.size, name, rec, g, t.device, desc)  # type: ignore[arg-type]
+            out = buf[:n].view(t.shape)
+        return out if nans is None else _with_nans(out, buf[n:k], t, g)
+
+
+def _nan_marks(t: torch.Tensor) -> torch.Tensor:
+    """What a max or min all-reduce of the floating ``t`` sends after its data so that a NaN on any
+    rank gives NaN, as torch's ``amax`` of the global tensor does (gloo's MAX keeps or drops a NaN
+    depending on where it meets it; NCCL's drops it): on the CPU in eager one element, 1 if ``t``
+    holds a NaN (read after the reduction: a second all-reduce, of the NaN mask, only when some
+    rank had one); elsewhere (no host read on an accelerator, or while compiling) the whole mask."""
+    mark = t.isnan().view(-1)
+    if t.device.type == "cpu" and not _compiling():
+        mark = mark.any().view(1)
+    return mark.to(t.dtype)
+
+
+def _with_nans(out: torch.Tensor, marks: torch.Tensor, t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """``out``, the max or min over ``g``, with NaN where some rank's ``t`` holds one (``marks``: the
+    reduced `_nan_marks`, the same on every rank, so every rank takes the same branch)."""
+    if t.device.type == "cpu" and not _compiling():
+        if marks.item() == 0:
+            return out
+        marks = all_reduce(t.isnan().view(-1).to(torch.uint8), g, dist.ReduceOp.MAX)
+    return out.masked_fill(marks.view(t.shape) != 0, float("nan"))
 
 
 def all_gather_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -404,7 +330,7 @@ def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = t.contiguous()
-        _record_traced("all_gather", g, t)
+        _counts.record_traced("all_gather", g, t)
         out = _WAIT(_ALL_GATHER(t.reshape(-1), g.size, _name(g)))
         return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
 
@@ -412,7 +338,7 @@ def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _reduce_scatter_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = _to_blocks_order(t, g, inverse=False).contiguous()
-        _record_traced("reduce_scatter", g, t)
+        _counts.record_traced("reduce_scatter", g, t)
         return _WAIT(_REDUCE_SCATTER(t.reshape(-1), "sum", g.size, _name(g))).view(t.shape[1:])
 
 
@@ -421,6 +347,10 @@ def all_to_all_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked():
         if g.size == 1:
             return t.clone()
+        if not _compiling() and (how := _wire.plan(g, t, "move")) is not None:  # its bytes, block by block
+            t = t.contiguous()
+            out = all_to_all_blocks(_wire.to_wire(t, how).view(g.size, -1), g)
+            return _wire.from_wire(out, t.dtype, how, t.shape)
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         splits = [1] * g.size
         with _issue("all_to_all", g, t):
@@ -477,6 +407,9 @@ def permute_start(t: torch.Tensor, g: AxisGroup, perm: tuple[tuple[int, int], ..
                 g.group  # noqa: B018  (a group made on first use is made by every rank: collective)
             result = t.clone(memory_format=torch.contiguous_format) if local else torch.zeros_like(t)
             return Handle((), lambda: result)
+        if (how := _wire.plan(g, t, "move")) is not None:  # a dtype the backend does not move: its bytes
+            inner = permute_start(_wire.to_wire(t.contiguous(), how), g, perm)
+            return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how, t.shape))
         group = g.group
         flat = t.contiguous()
         ops = [dist.P2POp(dist.isend, flat, g.global_ranks[d], group) for d in send_to]  # type: ignore[arg-type]
@@ -528,14 +461,19 @@ def _permute_compiled(t: torch.Tensor, g: AxisGroup, send_to: list, recv_from: l
     return Handle((), lambda: result)
 
 
-def all_gather_start(t: torch.Tensor, g: AxisGroup) -> Handle:
-    """Start `all_gather_blocks`; the handle's ``wait()`` returns ``[size, *t.shape]``."""
+def all_gather_start(t: torch.Tensor, g: AxisGroup, agree=None, what=None) -> Handle:
+    """Start `all_gather_blocks`; the handle's ``wait()`` returns ``[size, *t.shape]``. With
+    ``agree`` (what a combined collective holds), the ranks first agree on it (`_agree`)."""
     with untracked():
         t = t.contiguous()
         if g.size == 1:
             blocks = t.unsqueeze(0)
             return Handle((), lambda: blocks)
-        with _issue("all_gather", g, t):
+        if not _compiling() and (how := _wire.plan(g, t, "move")) is not None:  # its bytes
+            inner = all_gather_start(_wire.to_wire(t, how), g, agree, what)
+            return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how, (g.size, *t.shape)))
+        with _issue("all_gather", g, t, agree, what):
+            _agree(t, g, agree, what)
             out = _launch(_ALL_GATHER, t.reshape(-1), g.size, _name(g))
             tags = _tag_start(t, g)
         rec = issued()
@@ -558,6 +496,9 @@ def reduce_scatter_start(t: torch.Tensor, g: AxisGroup) -> Handle:
         if g.size == 1:
             block = t[0].clone()
             return Handle((), lambda: block)
+        if not _compiling() and (how := _wire.plan(g, t, "sum")) is not None:  # a dtype it lacks
+            inner = reduce_scatter_start(_wire.to_wire(t.contiguous(), how), g)
+            return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how))
         t = _to_blocks_order(t, g, inverse=False).contiguous()
         with _issue("reduce_scatter", g, t):
             out = _launch(_REDUCE_SCATTER, t.reshape(-1), "sum", g.size, _name(g))
@@ -583,6 +524,8 @@ def broadcast(t: torch.Tensor, g: AxisGroup, src: int) -> torch.Tensor:
         if g.size == 1:
             return t.clone(memory_format=torch.contiguous_format)
         t = t.contiguous()
+        if not _compiling() and (how := _wire.plan(g, t, "move")) is not None:
+            return _wire.from_wire(broadcast(_wire.to_wire(t, how), g, src), t.dtype, how, t.shape)
         root = src if g.order is None else g.order[src]  # the functional op takes the group rank
         with _issue("broadcast", g, t):
             out = _launch(_BROADCAST, t, root, _name(g))
@@ -596,6 +539,12 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
     """In-place all-reduce of a contiguous buffer the caller owns (a packed pytree, say)."""
     with untracked():
         if g.size > 1:
+            if not _compiling() and (how := _wire.plan(g, t, _OP_NAMES[op])) is not None:
+                w = _wire.to_wire(t, how)
+                all_reduce_(w, g, op)
+                if how[1] != "view":  # a view reduced in place is already t
+                    t.copy_(_wire.from_wire(w, t.dtype, how))
+                return
             with _issue("all_reduce", g, t):
                 if _compiling():  # the traceable form of an in-place collective
                     with torch.no_grad():
@@ -609,15 +558,20 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
                 _tag_check(tags, rec, g)
 
 
-def all_reduce_start_(t: torch.Tensor, g: AxisGroup) -> Handle:
+def all_reduce_start_(t: torch.Tensor, g: AxisGroup, agree=None, what=None) -> Handle:
     """Start the sum over the group of the flat buffer ``t`` (owned by the caller, reduced in place
     unless it carries tags); the handle's ``wait()`` returns the sum. Eager only (the combined
-    collectives of ``_combine``, never queued while torch.compile traces)."""
+    collectives of ``_combine``, never queued while torch.compile traces). With ``agree`` (what
+    the combined collective holds), the ranks first agree on it (`_agree`), which its tags carry too."""
     with untracked():
         if g.size == 1:
             return Handle((), lambda: t)
-        with _issue("all_reduce", g, t):
-            rec, tags = _reduce_tags(t, g, "sum")
+        if (how := _wire.plan(g, t, "sum")) is not None:  # a dtype the backend does not reduce
+            inner = all_reduce_start_(_wire.to_wire(t, how), g, agree, what)
+            return Handle((), lambda: _wire.from_wire(inner.wait(), t.dtype, how))
+        with _issue("all_reduce", g, t, agree, what):
+            _agree(t, g, agree, what)
+            rec, tags = _reduce_tags(t, g, "sum", agree)
             n = t.numel()
             if tags is not None:  # the data and its tags in one buffer, as `all_reduce` sends them
                 buf = torch.empty(n + len(tags), dtype=t.dtype, device=t.device)
@@ -635,7 +589,7 @@ def all_reduce_start_(t: torch.Tensor, g: AxisGroup) -> Handle:
                 with _below_autograd():
                     _watch.wait(_WAIT, rec, out)
                 if tags is not None:
-                    _watch.check_reduced_tags(t[n:].tolist(), tags, g.size, "sum", rec, g, t.device)
+                    _watch.check_reduced_tags(t[n:].tolist(), tags, g.size, "sum", rec, g, t.device, what)
                 return t[:n]
 
         return Handle((), finish)
@@ -650,6 +604,9 @@ def gather_blocks(t: torch.Tensor, g: AxisGroup, dst: int) -> torch.Tensor | Non
         t = t.contiguous()
         if g.size == 1:
             return t.unsqueeze(0).clone()
+        if (how := _wire.plan(g, t, "move")) is not None:  # a dtype the backend does not move: its bytes
+            got = gather_blocks(_wire.to_wire(t, how), g, dst)
+            return None if got is None else _wire.from_wire(got, t.dtype, how, (g.size, *t.shape))
         out = torch.empty(g.size, *t.shape, dtype=t.dtype, device=t.device) if g.index == dst else None
         rows = list(out.unbind(0)) if out is not None else None
         with _issue("gather", g, t):
@@ -667,31 +624,73 @@ def reduce_(t: torch.Tensor, g: AxisGroup, dst: int) -> None:
     """
     with untracked():
         if g.size > 1:
+            if (how := _wire.plan(g, t, "sum")) is not None:  # a dtype the backend does not reduce
+                w = _wire.to_wire(t, how)
+                reduce_(w, g, dst)
+                if how[1] != "view":  # a view reduced in place is already t
+                    t.copy_(_wire.from_wire(w, t.dtype, how))
+                return
             with _issue("reduce", g, t):
                 _watch.wait(dist.reduce, issued(), t, dst=g.global_ranks[dst], group=g.group)
 
 
-def gather_shapes(xs, g: AxisGroup, device=None) -> list[list[tuple[int, ...]]]:
+def gather_shapes(
+    xs, g: AxisGroup, device=None, where: str = "", paths=None, error=None
+) -> list[list[tuple[int, ...]]]:
     """The shapes of tensors ``xs`` at every index of ``g``: ``out[i][k]`` is index ``i``'s
-    ``xs[k].shape``. One small all-gather of ``[ndim, *shape]`` rows padded to 9 numbers (shapes
-    past 8 dims are known by their first 8), so that ranks can compare shapes before a collective
-    whose sizes must agree. ``device``: where the rows travel (default: ``xs[0]``'s device)."""
+    ``xs[k].shape``. One small all-gather of ``[ndim + 256 * kind, *shape]`` rows padded to 9
+    numbers (shapes past 8 dims are known by their first 8; ``kind``: a digest of the dtype and
+    device type), so that ranks can compare shapes before a collective whose sizes must agree. The
+    dtypes and device types must agree already: otherwise ``error`` (default `CollectiveError`) is
+    raised on every rank alike, naming ``where`` (the public function), the operand (``paths[k]``)
+    and which ranks hold which dtype (a collective of mismatched dtypes fails inside the backend, or
+    ends the process in gloo). ``device``: where the rows travel (default: ``xs[0]``'s device)."""
     mine: list[int] = []
     for x in xs:
-        row = [x.dim(), *x.shape[:8]]
+        row = [x.dim() + 256 * _kind(x.dtype, x.device.type), *x.shape[:8]]
         mine += row + [0] * (9 - len(row))
     with untracked():
         t = torch.tensor(mine, dtype=torch.int64, device=device or xs[0].device)
         rows = all_gather_blocks(t, g).tolist()
-    return [[tuple(row[9 * k + 1 : 9 * k + 1 + min(row[9 * k], 8)]) for k in range(len(xs))] for row in rows]
+    for k in range(len(xs)):
+        if any(row[9 * k] != rows[0][9 * k] for row in rows):
+            kinds = [row[9 * k] >> 8 for row in rows]
+            raise (error or _errors.CollectiveError)(
+                _kinds_differ(kinds, g, where, paths[k] if paths else None)
+            )
+    return [
+        [tuple(row[9 * k + 1 : 9 * k + 1 + min(row[9 * k] & 255, 8)]) for k in range(len(xs))] for row in rows
+    ]
+
+
+def _kind(dtype: torch.dtype, device_type: str) -> int:
+    return zlib.crc32(f"{dtype} {device_type}".encode()) & 0x7FFFFFFF
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "privateuseone")
+
+
+def _kinds_differ(kinds: list, g: AxisGroup, where: str, path) -> str:
+    dtypes = [d for d in vars(torch).values() if isinstance(d, torch.dtype)]
+    names = {_kind(d, v): f"{d} on {v}" for d in dtypes for v in _DEVICE_TYPES}
+    by: dict = {}
+    for i, kind in enumerate(kinds):
+        by.setdefault(names.get(kind, f"a dtype or device type #{kind}"), []).append(g.global_ranks[i])
+    held = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {k}" for k, r in by.items())
+    common = max(by, key=lambda k: len(by[k])).split(" on ")[0]
+    what = f"the operand at {path}" if path else "the operand"
+    return (
+        f"{where or 'a collective'} over {' '.join(g.names) or 'the world'}: {what} has a different dtype or "
+        f"device type on different ranks ({held}); every rank must hand the same dtype on the same kind of "
+        f"device (a collective of mismatched dtypes fails inside the backend). Cast it on every rank alike, "
+        f"e.g. x.to({common}) where the ranks' values are made (a per-rank loader's batch as it is loaded)"
+    )
 
 
 def broadcast_object(objs: list, src: int) -> None:
     """``dist.broadcast_object_list`` over the world, counted as a broadcast."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        if _recorders:
-            for r in _recorders:
-                r.records.append(("broadcast", ("world",), 0))
+        _counts.record_world("broadcast")
         rec = _watch.begin("broadcast", _watch.world_group(), torch.empty(len(objs), dtype=torch.uint8))
         with _span("broadcast", ("world",), 0):
             _watch.wait(dist.broadcast_object_list, rec, objs, src=src)
@@ -699,10 +698,14 @@ def broadcast_object(objs: list, src: int) -> None:
 
 def scatter(out: torch.Tensor, blocks: list | None, src: int) -> None:
     """``dist.scatter`` over the world (one block per global rank), counted."""
+    if (how := _wire.plan(_watch.world_group(), out, "move")) is not None:  # a dtype the backend lacks
+        wire = _wire.to_wire(out.contiguous(), how)  # its bytes: a view of ``out`` when contiguous
+        scatter(wire, None if blocks is None else [_wire.to_wire(b.contiguous(), how) for b in blocks], src)
+        if wire.data_ptr() != out.data_ptr() or not out.is_contiguous():
+            out.copy_(_wire.from_wire(wire, out.dtype, how, out.shape))
+        return
     nbytes = out.numel() * out.element_size()
-    if _recorders:
-        for r in _recorders:
-            r.records.append(("scatter", ("world",), nbytes))
+    _counts.record_world("scatter", nbytes)
     rec = _watch.begin("scatter", _watch.world_group(), out)
     with _span("scatter", ("world",), nbytes):
         _watch.wait(dist.scatter, rec, out, blocks, src=src)

@@ -158,7 +158,8 @@ _KEEP: list = []  # the pass, made once (inductor's cache keys a pass by its uui
 @torch._dynamo.assume_constant_result  # run at trace time, not traced
 def keep_collectives_in_place() -> bool:
     """Add `_keep_backward_collectives` to inductor's joint-graph passes (once; after any pass the
-    user set there), while Dynamo traces a shard_map call: before inductor partitions the graph."""
+    user set there), and turn inductor's peak-memory reordering off (see below), while Dynamo
+    traces a shard_map call: before inductor partitions and schedules the graph."""
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -176,6 +177,16 @@ def keep_collectives_in_place() -> bool:
     listed = list(passes) if isinstance(passes, (list, tuple)) else [] if passes is None else [passes]
     if keep not in listed:
         config.joint_custom_pre_pass = [*listed, keep] if listed else keep
+    # Inductor's peak-memory reordering of the scheduler's nodes (torch 2.13) can run a kernel
+    # that reads an in-place collective's buffer (``all_reduce_`` then ``wait_tensor``, the
+    # lowering of every functional all-reduce) before the collective: seen in a 4-layer
+    # tensor-parallel residual stack's backward, whose layer-0 kernel summed layer 1's
+    # input-gradient block before its all-reduce over "tp" ran (the loss right, the early
+    # layers' gradients 15-65% off, different on the ranks of "tp"). Inductor picks the order
+    # of least estimated peak memory among a few sorts, so the bug comes and goes with the
+    # buffers' sizes and dtypes. Off while the graphs of a shard_map call are compiled: a
+    # memory heuristic, never a change of values.
+    config.reorder_for_peak_memory = False
     return True
 
 

@@ -279,7 +279,9 @@ def _block_lengths(items, per_layer, stacked: bool, g: AxisGroup) -> list[list]:
     out: list[list] = [[None] * len(ds) for ds in per_layer]
     if not xs:
         return out
-    shapes = _comm.gather_shapes(xs, g)  # shapes[index][k]
+    shapes = _comm.gather_shapes(
+        xs, g, None, "fs.fsdp_scan", [w[3] for w in where], ArgumentError
+    )  # [index][k]
     for k, (i, j, d, path) in enumerate(where):
         got = [s[k] for s in shapes]
         rest = [s[:d] + s[d + 1 :] for s in got]

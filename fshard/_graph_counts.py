@@ -52,7 +52,7 @@ _KINDS = {
 )
 def _count(token: torch.Tensor, records: str) -> None:
     """Add a compiled graph's collectives (``records``, see `_encode`) to the active counts."""
-    from ._comm import _recorders
+    from ._counts import _recorders
 
     if not _recorders:
         return

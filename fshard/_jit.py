@@ -199,9 +199,9 @@ def _region_trace():
             "under a torch.func transform (grad, vjp, jvp, vmap, ...), which Dynamo does not trace "
             "a compiled function inside when the transform was entered eagerly"
         )
-    from . import _comm
+    from . import _counts
 
-    if _comm.counting_refused():
+    if _counts.counting_refused():
         return None, (
             "under fs.count_collectives with a backend other than inductor (only inductor's graphs "
             "count their own collectives)"
@@ -248,11 +248,11 @@ def _fshard_error(e: BaseException) -> BaseException | None:
 @contextlib.contextmanager
 def _counted(on: bool):
     """While an inductor-compiled function runs, its graphs count their own collectives."""
-    from . import _comm
+    from . import _counts
 
-    was = _comm.compiled_counted
-    _comm.compiled_counted = on
+    was = _counts.compiled_counted
+    _counts.compiled_counted = on
     try:
         yield
     finally:
-        _comm.compiled_counted = was
+        _counts.compiled_counted = was

@@ -46,6 +46,7 @@ class AxisGroup:
         "pg_name",
         "real",
         "gloo",
+        "backend",
     )
 
     def __init__(
@@ -70,6 +71,7 @@ class AxisGroup:
         # would keep the group, and its threads, alive past `_release_groups`.
         self.real: bool | None = None
         self.gloo: bool | None = None  # a gloo group, once asked (``_inflight.serial``)
+        self.backend: str | None = None  # the group's backend name, once asked (``_wire.backend``)
 
     @property
     def group(self) -> object | None:

@@ -26,16 +26,19 @@ ReduceScatterCoalesced one reduce-scatter of n         AllGatherCoalesced
 =====================  ==============================  ===================================
 
 The coalesced Functions serve the pytree forms of the collectives: n tensors of one dtype are
-packed into one flat buffer, moved with one collective and unpacked.
+packed into one flat buffer, moved with one collective and unpacked (`_blocks`: uneven blocks
+padded to the longest, each tensor with its own ``tiled`` entry).
 
 Every Function has a separate ``setup_context``, so ``loss.backward()``,
 ``torch.autograd.grad``, ``torch.func.grad`` and ``torch.func.vjp`` all pass through. Outputs
 are never views of buffers made inside ``forward``, so users may update them in place.
 
 The other torch.func transforms go through two more staticmethods per Function. ``jvp``, the
-forward-mode rule: the collectives are linear, so the tangent goes through the same collective
-(pvary passes it through; pmax / pmin pass the tangent of the selected element, averaged among
-ties as the backward splits the cotangent). ``vmap``, the batching rule: the batch dim moves to
+forward-mode rule: the collectives are linear, so the tangent goes through the same Function
+(pmax / pmin: `AllReduce` of the tangent of the selected element, averaged among ties as the
+backward splits the cotangent). A rule, and a backward, that may itself be differentiated (a
+reverse pass over a tangent: ``jacrev(jacfwd(f))``; a double backward) applies Functions, never
+bare communication, views or slices, so that the outer pass finds each step's transpose. ``vmap``, the batching rule: the batch dim moves to
 the front, the collective's ``dim`` (``split_dim``, ``concat_dim``) shifts past it, and one
 collective moves the whole batch. So ``vmap``, ``jvp``, ``jacrev``, ``jacfwd`` and ``hessian``
 compose with shard_map, of it and inside it.
@@ -44,17 +47,35 @@ compose with shard_map, of it and inside it.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
-from . import _comm, _compile, _graph_buckets  # noqa: F401  (_graph_buckets: registers fshard::tile_blocks)
+from . import _comm, _compile
+from ._blocks import (
+    _arrange,
+    _gather_many,
+    _owned,
+    _pack,
+    _scatter_many,
+    a2a_dim,
+    gather_dim,
+    gather_operand,
+    local_block,
+    pack_operands,
+    pick,
+    scatter_dim,
+    scattered_block,
+    split_blocks,
+    tilings,
+    unpack_gathered,
+)
 from ._comm import untracked
 from ._mesh import AxisGroup
 
 __all__ = [
     "apply",
     "Pvary",
+    "PvaryInput",
     "AllReduce",
     "AllGather",
     "AllGatherInvariant",
@@ -74,9 +95,13 @@ __all__ = [
     "gather_dim",
     "gather_operand",
     "unpack_gathered",
+    "pack_operands",
+    "tilings",
+    "pick",
     "scatter_dim",
     "scattered_block",
     "local_block",
+    "invariant_slice",
     "a2a_dim",
 ]
 
@@ -125,107 +150,12 @@ def _psum_values(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     return _comm.all_reduce(x, g)
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor that is not a view, sharing its storage (no copy).
-
-    An autograd Function's output that is a view of a buffer made inside ``forward`` cannot be
-    modified in place ("Output 0 of ... is a view"); the buffer is private, so the output may
-    own its storage instead.
-    """
-    if t._base is None or _compiling():  # traced code has no views to worry about
-        return t
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
-
-# -- layout helpers (pure tensor reshapes around the block-stacked comm functions) --------
-
-
-# ``tiled`` below is True (concatenate along ``dim``), False (stack in a new ``dim``), or a tuple
-# of block lengths along ``dim``, one per group index: uneven blocks (torch.chunk's cut, see
-# Layout.block), exchanged padded to the longest and trimmed after.
-
-
-def gather_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
-    """All-gather ``x`` along ``dim``: stacked in a new dim, or concatenated when ``tiled``."""
-    return _arrange(_comm.all_gather_blocks(gather_operand(x, dim, tiled), g), x.shape, g.size, dim, tiled)
-
-
-def gather_operand(x: torch.Tensor, dim: int, tiled) -> torch.Tensor:
-    """What each rank hands to the all-gather: ``x``, padded to the longest block when uneven."""
-    return _pad(x, dim, max(tiled)) if isinstance(tiled, tuple) else x
-
-
-def _pad(x: torch.Tensor, dim: int, m: int) -> torch.Tensor:
-    """``x`` zero-padded at the end of ``dim`` to length ``m``."""
-    if x.shape[dim] == m:
-        return x
-    shape = list(x.shape)
-    shape[dim] = m
-    out = x.new_zeros(shape)
-    out.narrow(dim, 0, x.shape[dim]).copy_(x)
-    return out
-
-
-def _arrange(blocks: torch.Tensor, shape, n: int, dim: int, tiled) -> torch.Tensor:
-    """Gathered ``[N, *shape]`` blocks (padded to the longest when uneven) as the all_gather
-    result along ``dim``."""
-    if isinstance(tiled, tuple):
-        return torch.cat([blocks[i].narrow(dim, 0, k) for i, k in enumerate(tiled)], dim)
-    if not tiled:
-        return _owned(blocks.movedim(0, dim))
-    if dim and _compiling():  # a copy that inductor leaves as it is (see _graph_buckets)
-        return torch.ops.fshard.tile_blocks(blocks, dim)
-    out = list(shape)
-    out[dim] *= n
-    return _owned(blocks.movedim(0, dim).reshape(out))
-
-
-def split_blocks(x: torch.Tensor, n: int, dim: int, tiled) -> torch.Tensor:
-    """``x`` as ``[n, *block]``: block j is the j-th piece of ``dim`` (padded when uneven)."""
-    if isinstance(tiled, tuple):
-        m = max(tiled)
-        return torch.stack([_pad(p, dim, m) for p in x.split(list(tiled), dim)])
-    if not tiled:
-        return x.movedim(dim, 0)
-    shape = list(x.shape)
-    shape[dim : dim + 1] = [n, shape[dim] // n]
-    return x.reshape(shape).movedim(dim, 0)
-
-
-def scatter_dim(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
-    """Reduce-scatter ``x`` along ``dim`` (removed, or shrunk by the group size when ``tiled``)."""
-    if dim and tiled is True and _compiling():  # as in _arrange
-        blocks = torch.ops.fshard.untile_blocks(x, g.size, dim)
-    else:
-        blocks = split_blocks(x, g.size, dim, tiled)
-    return scattered_block(_comm.reduce_scatter_blocks(blocks, g), g, dim, tiled)
-
-
-def scattered_block(out: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
-    """A reduce-scatter's block of `split_blocks` as the psum_scatter result (trimmed when uneven)."""
-    if isinstance(tiled, tuple) and out.shape[dim] != tiled[g.index]:
-        return out.narrow(dim, 0, tiled[g.index]).clone()
-    return _owned(out)
-
-
-def local_block(x: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
-    """This rank's block of ``x`` along ``dim`` (no communication)."""
-    if isinstance(tiled, tuple):
-        i = g.index
-        return x.narrow(dim, sum(tiled[:i]), tiled[i])
-    if not tiled:
-        return x.select(dim, g.index)
-    s = x.shape[dim] // g.size
-    return x.narrow(dim, g.index * s, s)
-
-
-def a2a_dim(x: torch.Tensor, g: AxisGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
-    """Split ``split_dim`` into group-size blocks, exchange them, concatenate along ``concat_dim``."""
-    blocks = split_blocks(x, g.size, split_dim, True)
-    got = _comm.all_to_all_blocks(blocks, g)  # [N, *block]; row i came from index i
-    shape = list(blocks.shape[1:])
-    shape[concat_dim] *= g.size
-    return _owned(got.movedim(0, concat_dim).reshape(shape))
+def invariant_slice(ct: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
+    """This rank's block of the cotangent of an invariant all_gather; `LocalSlice` when differentiated
+    (a plain slice would transpose to this rank's block padded with zeros, not the gather)."""
+    if torch.is_grad_enabled() or _functorch_active():
+        return apply(LocalSlice, ct, g, dim, tiled)
+    return local_block(ct, g, dim, tiled)
 
 
 # -- autograd Functions -------------------------------------------------------------------
@@ -250,12 +180,36 @@ class Pvary(torch.autograd.Function):
         return _comm.all_reduce(ct, ctx.g), None
 
     @staticmethod
-    def jvp(ctx, x_t, _):
-        return x_t.view_as(x_t)
+    def jvp(ctx, x_t, _):  # the tangent is cast as the primal is: a reverse pass over it sums
+        return apply(Pvary, x_t, ctx.g)
 
     @staticmethod
     def vmap(info, in_dims, x, g):
         return apply(Pvary, x, g), in_dims[0]
+
+
+class PvaryInput(torch.autograd.Function):
+    """`Pvary` of a shard_map input outside the gradient buckets (``bucket_mb=0``): the backward's all-reduce
+    carries the input's key path in its tags (ranks whose ``f`` used different inputs raise, not sum them)."""
+
+    @staticmethod
+    def forward(x, g, path):
+        with untracked():
+            return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.g, ctx.path = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, ct):
+        if torch.is_grad_enabled() or _functorch_active():  # double backward, or ct batched: as Pvary's
+            return apply(AllReduce, ct, ctx.g), None, None
+        return _comm.all_reduce(ct, ctx.g, what=f"the gradient of {ctx.path}"), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):  # (forward-mode AD outside torch.func: the cast, as Pvary's)
+        return apply(Pvary, x_t, ctx.g)
 
 
 class AllReduce(torch.autograd.Function):
@@ -272,7 +226,7 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+        if torch.is_grad_enabled() or _functorch_active():  # differentiated: the pvary transposes to psum
             return apply(Pvary, ct, ctx.g), None
         return ct, None
 
@@ -328,7 +282,7 @@ class AllGatherInvariant(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
-        return local_block(ct, *ctx.args), None, None, None
+        return invariant_slice(ct, *ctx.args), None, None, None
 
     @staticmethod
     @_untracked
@@ -360,8 +314,8 @@ class LocalSlice(torch.autograd.Function):
 
     @staticmethod
     @_untracked
-    def jvp(ctx, x_t, *_):
-        return local_block(x_t, *ctx.args)
+    def jvp(ctx, x_t, *_):  # the slice with its transpose: a reverse pass over the tangent gathers
+        return apply(LocalSlice, x_t, *ctx.args)
 
     @staticmethod
     @_untracked
@@ -470,6 +424,9 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     @_untracked
     def backward(ctx, ct):
+        if torch.is_grad_enabled() or _functorch_active():  # differentiated: ct is invariant, so cast,
+            ct = apply(Pvary, ct, ctx.g)  # and zeroed in the graph (the cast's transpose on every rank)
+            return ct.masked_fill(torch.tensor(ctx.g.index != ctx.src, device=ct.device), 0), None, None
         return (ct if ctx.g.index == ctx.src else torch.zeros_like(ct)), None, None
 
     @staticmethod
@@ -503,6 +460,8 @@ class Extremum(torch.autograd.Function):
         x, y = ctx.saved_tensors
         hit = (x == y).to(ct.dtype)
         ties = _psum_values(hit, ctx.g)
+        if torch.is_grad_enabled() or _functorch_active():  # differentiable: ct is invariant
+            ct = apply(Pvary, ct, ctx.g)
         return ct * hit / ties, None, None
 
     @staticmethod
@@ -521,11 +480,6 @@ class Extremum(torch.autograd.Function):
 # -- coalesced forms: n tensors of one dtype, one collective --------------------------------
 
 
-def _pack(xs) -> torch.Tensor:
-    """The tensors ``xs`` (one dtype) flattened into one new contiguous buffer."""
-    return torch.cat([x.reshape(-1) for x in xs])
-
-
 class AllReduceCoalesced(torch.autograd.Function):
     """psum of n tensors with one all-reduce; the transpose is pvary of each (no communication)."""
 
@@ -542,7 +496,7 @@ class AllReduceCoalesced(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cts):
-        if torch.is_grad_enabled():  # double backward: record the pvary so it transposes to psum
+        if torch.is_grad_enabled() or _functorch_active():  # differentiated: the pvary transposes to psum
             return (None, *(apply(Pvary, ct, ctx.g) for ct in cts))
         return (None, *cts)
 
@@ -560,39 +514,6 @@ class AllReduceCoalesced(torch.autograd.Function):
     @_untracked
     def vmap(info, in_dims, g, *xs):  # batched and unbatched operands in one all-reduce
         return apply(AllReduceCoalesced, g, *xs), tuple(in_dims[1:])
-
-
-def _gather_many(xs, g: AxisGroup, dims, tiled: bool):
-    """``gather_dim`` of each of ``xs`` (one dtype) along its ``dims`` entry, with one all-gather."""
-    blocks = _comm.all_gather_blocks(_pack(xs), g)  # [N, total]; row i from index i
-    return tuple(unpack_gathered(blocks, [x.shape for x in xs], dims, tiled))
-
-
-def unpack_gathered(blocks: torch.Tensor, shapes, dims, tiled: bool) -> list:
-    """Gathered ``[N, total]`` rows of packed tensors of ``shapes`` as each one's all_gather
-    result along its ``dims`` entry (stacked, or concatenated when ``tiled``)."""
-    n = blocks.shape[0]
-    out = []
-    offset = 0
-    for shape, dim in zip(shapes, dims):
-        k = math.prod(shape)
-        piece = blocks[:, offset : offset + k].reshape(n, *shape).movedim(0, dim)
-        offset += k
-        if tiled:
-            full = list(shape)
-            full[dim] *= n
-            piece = piece.reshape(full)
-        out.append(_owned(piece))
-    return out
-
-
-def _scatter_many(xs, g: AxisGroup, dims, tiled: bool):
-    """``scatter_dim`` of each of ``xs`` (one dtype) along its ``dims`` entry, with one reduce-scatter."""
-    parts = [split_blocks(x, g.size, dim, tiled) for x, dim in zip(xs, dims)]  # [N, *block] each
-    buf = torch.cat([p.reshape(g.size, -1) for p in parts], dim=1)  # [N, total]
-    mine = _comm.reduce_scatter_blocks(buf, g)  # [total]
-    sizes = [p[0].numel() for p in parts]
-    return tuple(_owned(m.view(p.shape[1:])) for m, p in zip(mine.split(sizes), parts))
 
 
 class AllGatherCoalesced(torch.autograd.Function):
@@ -616,7 +537,9 @@ class AllGatherCoalesced(torch.autograd.Function):
     def backward(ctx, *cts):
         g, dims, tiled, invariant = ctx.args
         if invariant:
-            grads = tuple(local_block(ct, g, dim, tiled) for ct, dim in zip(cts, dims))
+            grads = tuple(
+                invariant_slice(ct, g, d, t) for ct, d, t in zip(cts, dims, tilings(tiled, len(cts)))
+            )
         else:
             grads = apply(ReduceScatterCoalesced, g, dims, tiled, *cts)
         return (None, None, None, None, *grads)
@@ -625,7 +548,9 @@ class AllGatherCoalesced(torch.autograd.Function):
     @_untracked
     def jvp(ctx, _g, _d, _t, _i, *ts):
         g, dims, tiled, invariant = ctx.args
-        return _coalesced_jvp(AllGatherCoalesced, ts, dims, lambda d: (g, d, tiled, invariant))
+        return _coalesced_jvp(
+            AllGatherCoalesced, ts, lambda i: (g, tuple(dims[k] for k in i), pick(tiled, i), invariant)
+        )
 
     @staticmethod
     @_untracked
@@ -657,7 +582,9 @@ class ReduceScatterCoalesced(torch.autograd.Function):
     @_untracked
     def jvp(ctx, _g, _d, _t, *ts):
         g, dims, tiled = ctx.args
-        return _coalesced_jvp(ReduceScatterCoalesced, ts, dims, lambda d: (g, d, tiled))
+        return _coalesced_jvp(
+            ReduceScatterCoalesced, ts, lambda i: (g, tuple(dims[k] for k in i), pick(tiled, i))
+        )
 
     @staticmethod
     @_untracked
@@ -667,13 +594,13 @@ class ReduceScatterCoalesced(torch.autograd.Function):
         return apply(ReduceScatterCoalesced, g, dims, tiled, *xs), _coalesced_out(bdims)
 
 
-def _coalesced_jvp(cls, ts, dims, head):
+def _coalesced_jvp(cls, ts, head):
     """The tangents of a coalesced gather or scatter: the same collective of those given
-    (``None``: no tangent, for inputs that are not dual)."""
+    (``None``: no tangent, for inputs that are not dual; ``head(indices)``: its arguments)."""
     have = [i for i, t in enumerate(ts) if t is not None]
     out: list = [None] * len(ts)
     if have:
-        ys = apply(cls, *head(tuple(dims[i] for i in have)), *(ts[i] for i in have))
+        ys = apply(cls, *head(have), *(ts[i] for i in have))
         for i, y in zip(have, ys):
             out[i] = y
     return tuple(out)
@@ -766,31 +693,6 @@ class ReduceScatterDone(torch.autograd.Function):
     @_untracked
     def jvp(ctx, x_t, *_):
         return apply(ReduceScatter, x_t, *ctx.args)
-
-
-class _ScaleCotangent(torch.autograd.Function):
-    """Identity forward; the backward multiplies the cotangent by ``scale`` (``check=False``)."""
-
-    @staticmethod
-    def forward(x, scale):
-        with untracked():
-            return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.scale = inputs[1]
-
-    @staticmethod
-    def backward(ctx, ct):
-        return ct * ctx.scale, None
-
-    @staticmethod
-    def jvp(ctx, x_t, _):  # the forward is the identity
-        return x_t.clone()
-
-    @staticmethod
-    def vmap(info, in_dims, x, scale):
-        return apply(_ScaleCotangent, x, scale), in_dims[0]
 
 
 _compile.hide_jvp(list(globals().values()))  # torch.compile traces Functions without a jvp

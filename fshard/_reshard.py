@@ -34,7 +34,7 @@ import contextlib
 
 import torch
 
-from . import _comm, _vma
+from . import _comm, _counts, _vma
 from ._comm import untracked
 from ._errors import ArgumentError
 from ._primitives import (
@@ -44,10 +44,9 @@ from ._primitives import (
     _arrange,
     apply,
     gather_operand,
+    pack_operands,
+    tilings,
     unpack_gathered,
-)
-from ._primitives import (
-    _pack as _flat,
 )
 
 __all__ = [
@@ -260,9 +259,9 @@ class Many:
         self.contiguous = contiguous
 
     def start(self, xs):
-        handle = _comm.all_gather_start(_flat(xs), self.g)
+        handle = _comm.all_gather_start(pack_operands(xs, self.dims, self.tiled), self.g)
         if self.contiguous:  # a combined bucket: the collective carries its calls again
-            _comm.record_combined("all_gather", self.g, len(xs))
+            _counts.record_combined("all_gather", self.g, len(xs))
         return handle
 
     def finish(self, handle, xs) -> list:
@@ -290,7 +289,9 @@ def gather_again_many(ys, xs, g, dims, tiled, invariant) -> None:
     if not grad:
         return
     if len(ys) == 1:
-        gather_again(ys[0], xs[0], AllGatherInvariant if invariant else AllGather, g, dims[0], tiled)
+        gather_again(
+            ys[0], xs[0], AllGatherInvariant if invariant else AllGather, g, dims[0], tilings(tiled, 1)[0]
+        )
         return
     gathers = Gathers(Many(g, dims, tiled, invariant))
     for x, y in zip(xs, ys):  # the results share one buffer: they are marked, not the buffer

@@ -345,6 +345,8 @@ def _scan(x, tid: int) -> int:
 
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_functorch_active = torch._C._are_functorch_transforms_active
+_forward_ad = torch.autograd.forward_ad
 _unwrap = torch._C._functorch.get_unwrapped
 
 
@@ -382,14 +384,40 @@ def _plain_args(x):
     return x
 
 
+def differentiating() -> bool:
+    """Whether a transform may differentiate what runs now: a torch.func transform, or a level of
+    forward-mode AD (``torch.autograd.forward_ad``), whose tangents may need a gradient of their own."""
+    return _functorch_active() or _forward_ad._current_level >= 0
+
+
 def needs_grad(t) -> bool:
     """Whether ``t`` needs a gradient: its own flag, or, inside a torch.func transform entered in
     f, that of the tensor a wrapper wraps (a ``jvp`` dual or a ``vmap`` batch of a parameter has no
-    ``requires_grad`` of its own, yet a gradient taken outside reaches the parameter through it)."""
+    ``requires_grad`` of its own, yet a gradient taken outside reaches the parameter through it).
+
+    Under forward mode the tangent may need a gradient although the primal does not (a reverse
+    pass over a ``jvp``: ``jacrev(jacfwd(f))``, ``loss.backward()`` of a tangent): a floating dual
+    of a torch.func ``jvp`` level counts as needing one (its tangent is not reachable from the
+    wrapper), and a ``forward_ad`` dual when its tangent requires a gradient."""
     if t.requires_grad:
         return True
-    while _is_wrapped(t):
-        t = _unwrap(t)
-        if t.requires_grad:
+    if _is_wrapped(t):
+        if (t.is_floating_point() or t.is_complex()) and _jvp_level():
             return True
+        while _is_wrapped(t):
+            t = _unwrap(t)
+            if t.requires_grad:
+                return True
+        return False
+    if _forward_ad._current_level >= 0:
+        tangent = _forward_ad.unpack_dual(t).tangent
+        return tangent is not None and tangent.requires_grad
     return False
+
+
+def _jvp_level() -> bool:
+    """Whether a torch.func forward-mode level (``jvp``, ``jacfwd``, ``hessian``) is running."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())

@@ -237,7 +237,8 @@ def propagate(func, tr, args, kwargs, out) -> None:
     ok = all(_scan(a, tr, found) for a in args) and (
         not kwargs or all(_scan(v, tr, found) for v in kwargs.values())
     )
-    if not ok or tr.taint:
+    # (inside a torch.func transform entered in f, the ops see the transform's wrappers: unknown)
+    if not ok or tr.taint or torch._C._are_functorch_transforms_active():
         for o in outs:
             put(o, tr, UNKNOWN)
         return

@@ -16,15 +16,16 @@ import math
 import optree
 import torch
 
-from . import _buckets, _checks, _comm, _compile, _debug, _mesh, _shapes, _spec, _stages, _static, _vma
-from ._buckets import DEFAULT_BUCKET_MB
+from . import _buckets, _checks, _compile, _counts, _debug, _mesh, _shapes, _spec, _stages, _static, _vma
+from ._buckets import DEFAULT_BUCKET_MB, _ScaleCotangent
 from ._checks import problems_report as _report
 from ._errors import ArgumentError, FshardError, SpecError
 from ._layout import Layout, bind
 from ._mesh import Mesh
-from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active, _ScaleCotangent
+from ._out_shapes import agree
+from ._primitives import AllReduce, LocalSlice, ReduceScatter, _functorch_active
 from ._primitives import apply as _apply
-from ._sharded import Sharded, _global_shape_of_blocks, _tiling, from_dtensor, relayout
+from ._sharded import Sharded, _tiling, from_dtensor, relayout
 from ._spec import ANONYMOUS, Spec, parse_spec
 
 __all__ = ["shard_map"]
@@ -234,7 +235,7 @@ class _ShardMapped(_static.Fixed):
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             no_sync = not _buckets._sync or bool(_buckets._PENDING)
-            _compile.check_call(self.name, no_sync, _debug.enabled, _comm.counting_refused())
+            _compile.check_call(self.name, no_sync, _debug.enabled, _counts.counting_refused())
             key = None
             hit = _static.input_plan(self, leaves, treedef)  # the eager planning, a constant (_static)
         else:
@@ -329,9 +330,18 @@ class _ShardMapped(_static.Fixed):
                 # An output invariant over an axis its spec splits (or, under check=False, sums
                 # over) holds one copy per index: cast it to varying so its gradient sums over them.
                 out_leaves = [_vary_out(x, p, tr) for x, p in zip(out_leaves, oplans)]
-        done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
+        shapes = None
         if tr.uneven or out_uneven:  # (tr.uneven: also set by f's own collectives)
-            _global_shapes(done, oplans, mesh, label_sizes, tr.ragged, self.name)
+            split = [i for i, p in enumerate(oplans) if p.kind is OutKind.SHARDED]
+            if split:  # every rank's blocks checked alike, before the outputs' collectives
+                per_rank = _stages.per_rank_leaves(out)
+                shapes = agree(
+                    self.name, mesh, out_leaves, oplans, split, label_sizes, tr.ragged, per_rank, tr.uneven
+                )
+        done = [_finish(x, p, mesh) for x, p in zip(out_leaves, oplans)]
+        if shapes:
+            for i, shape in shapes.items():
+                done[i]._shape = shape
         return optree.tree_unflatten(out_treedef, done)
 
     # == planning ===========================================================================
@@ -525,7 +535,7 @@ def _localize(x, p: _InPlan, tr, mesh):
         return x
     if code == 1:  # GLOBAL, PER_RANK
         if p.slices:
-            if x.requires_grad and torch.is_grad_enabled():
+            if torch.is_grad_enabled() and _vma.may_need_grad(x):  # (also a tangent that needs one)
                 for d, g, tiled in p.groups:
                     x = _apply(LocalSlice, x, g, d, tiled)
             else:
@@ -544,7 +554,7 @@ def _localize(x, p: _InPlan, tr, mesh):
 
 
 def _vary_out(x, p: _OutPlan, tr):
-    if p.kind is OutKind.PASS or not p.allowed or not x.requires_grad:
+    if p.kind is OutKind.PASS or not p.allowed or not _vma.may_need_grad(x):
         return x
     v = _vma.get(x, tr)
     if p.allowed & ~v:
@@ -564,7 +574,7 @@ def _scale_unchecked(leaves: list, plans, tr) -> list:
     out = None
     sizes = tr.mesh.shape
     for i, (x, p) in enumerate(zip(leaves, plans)):
-        if p.kind is OutKind.PASS or not x.requires_grad:
+        if p.kind is OutKind.PASS or not _vma.may_need_grad(x):
             continue
         v = _vma.get(x, tr)
         extra = v & ~p.allowed
@@ -587,68 +597,6 @@ def _finish(x, p: _OutPlan, mesh):
     if kind is OutKind.PLAIN:
         return x
     return Sharded._wrap(x, mesh, p.layout)
-
-
-def _global_shapes(done: list, plans, mesh: Mesh, label_sizes: dict, ragged: bool, name: str) -> None:
-    """Give each Sharded output of a call with uneven blocks its global shape.
-
-    A split dim's global size is its label's size among the inputs, or the size a reduce-scatter
-    cut; for any other split dim the outputs' block shapes are gathered (one small all-gather
-    per such output; which outputs need it depends only on specs and input shapes, so every
-    rank takes the same path). In a ``ragged`` call (an op in f whose output shape depends on
-    the data met a varying operand) every split output's block shapes are gathered: blocks that
-    are torch.chunk's cut of a global value make a Sharded of that shape, others raise the same
-    SpecError on every rank.
-    """
-    for x, p in zip(done, plans):
-        if not isinstance(x, Sharded):
-            continue
-        layout, local = p.layout, x.local
-        if ragged:
-            if any(layout.dims):
-                x._shape = _global_shape_of_blocks(
-                    local, mesh, layout, functools.partial(_ragged_error, name, p)
-                )
-            continue
-        cut = {d: (t, g.size) for d, g, t in p.scatter if len(layout.dims[d]) == len(g.names)}
-        shape: list[int] = []
-        for d, axes in enumerate(layout.dims):
-            lab = layout.labels[d]
-            if not axes:
-                shape.append(local.shape[d])
-            elif d in cut:
-                t, n = cut[d]
-                shape.append(sum(t) if type(t) is tuple else local.shape[d] * n)
-            elif lab is not None and lab != ANONYMOUS and lab in label_sizes:
-                shape.append(label_sizes[lab])
-            else:  # a size no rank knows alone: gather the block shapes
-                break
-        if len(shape) != len(layout.dims):
-            x._shape = _global_shape_of_blocks(local, mesh, layout)
-            continue
-        want = layout.local_shape(shape, mesh.shape, mesh.coordinate)
-        if want != tuple(local.shape):
-            raise SpecError(
-                f"fs.shard_map: output {p.path} has local shape {tuple(local.shape)}, but out_spec {p.spec!r} "
-                f"with the inputs' dim sizes makes it a block of global shape {tuple(shape)}, which this rank "
-                f"holds as {want} (torch.chunk's cut); return the block the spec describes, or give the dim "
-                f"another label"
-            )
-        x._shape = torch.Size(shape)
-
-
-def _ragged_error(name: str, p, held: str) -> SpecError:
-    split = [d for d, axes in enumerate(p.layout.dims) if axes]
-    axes = [a for d in split for a in p.layout.dims[d]]
-    ax = axes[0] if len(axes) == 1 else "(" + " ".join(axes) + ")"
-    return SpecError(
-        f"fs.shard_map({name}): output {p.path} has blocks whose shapes depend on the data ({held}), and they "
-        f"are not the blocks torch.chunk cuts for out_spec {p.spec!r}, so they make no global value (an op in f "
-        f"such as x[mask], nonzero or unique gave each rank its own size); return a block padded to a fixed size "
-        f"with the count of its valid rows, or gather the blocks inside f with "
-        f"fs.all_gather(y, {ax!r}, dim={split[0]}, tiled=True, invariant=True) and return that with a replicated "
-        f"out_spec"
-    )
 
 
 # == helpers ==============================================================================

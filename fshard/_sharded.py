@@ -272,14 +272,15 @@ def _check_shape(local: torch.Tensor, mesh: Mesh, layout: Layout, shape, spec) -
     return shape
 
 
-def _global_shape_of_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout, error=None) -> torch.Size | None:
+def _global_shape_of_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout, who=None) -> torch.Size | None:
     """The global shape of which every rank's ``local`` is a block: None when the blocks are
     equal (an even split), else found from the gathered shapes; a SpecError (on every rank
-    alike) when the blocks are not torch.chunk's blocks of one global value, or ``error(held)``
-    (``held``: each rank's block shape, in words) when given. One small all-gather
+    alike) when the blocks are not torch.chunk's blocks of one global value; an ArgumentError
+    naming ``who`` (or from_local) for blocks of different dtypes. One small all-gather
     (`_comm.gather_shapes`)."""
     g = mesh.axis_group(mesh.axis_names, "Sharded")
-    shapes = [s[0] for s in _comm.gather_shapes([local], g, mesh.device)]
+    where, paths = who or ("fs.Sharded.from_local", None)  # paths: None or [the value's key path]
+    shapes = [s[0] for s in _comm.gather_shapes([local], g, mesh.device, where, paths, ArgumentError)]
     if all(sh == shapes[0] for sh in shapes):
         return None
     coords = [_coord_of(mesh, r) for r in mesh.ranks]
@@ -310,8 +311,6 @@ def _global_shape_of_blocks(local: torch.Tensor, mesh: Mesh, layout: Layout, err
         if shape is not None
         else ""
     )
-    if error is not None:
-        raise error(held)
     raise SpecError(
         f"fs.Sharded: the local blocks for spec {layout.spec_text()!r} on {mesh!r} are not the blocks of one "
         f"global value ({held}){cut}; cut the blocks with torch.chunk (uneven blocks are fine: the first "

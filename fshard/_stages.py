@@ -207,9 +207,14 @@ def _sig(obj) -> int:
 
 
 def _tree_sig(tree) -> int:
-    """A digest of a tree's structure and its leaves' shapes and dtypes."""
+    """A digest of a tree's structure and its leaves' shapes, dtypes and device types."""
     leaves, treedef = optree.tree_flatten(tree)
-    return _sig((treedef, [(tuple(x.shape), x.dtype) if isinstance(x, _Tensor) else type(x) for x in leaves]))
+    return _sig(
+        (
+            treedef,
+            [(tuple(x.shape), x.dtype, x.device.type) if isinstance(x, _Tensor) else type(x) for x in leaves],
+        )
+    )
 
 
 def _replica_axes(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -252,7 +257,7 @@ def _check_replicas(p: PerRank) -> None:
     if odd:
         raise SpecError(
             f"fs.PerRank: the ranks that hold the same index along {_axes_text(p.axes)} (the copies along "
-            f"{', '.join(map(repr, replicas))}) hold trees of different structure, shapes or dtypes "
+            f"{', '.join(map(repr, replicas))}) hold trees of different structure, shapes, dtypes or device types "
             f"({'; '.join(odd)}); a per-rank value is replicated over the other axes: build it the same way on "
             f"every rank of an index (e.g. fs.PerRank.build(mesh, {_axes_text(p.axes)}, [...]) with the same seeds)"
         )
@@ -379,8 +384,8 @@ def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey, uneven: bo
     """fs.debug's output check, with the trees inside PerRank outputs compared only between the
     ranks that share their index (they may differ from one index to the next). In a call with
     ``uneven`` blocks (inputs cut unevenly) the outputs' numbers of dims are compared, not their
-    sizes, which differ by design; the stitching finds the global shapes (a block torch.chunk's cut
-    does not make raises a SpecError on the rank that holds it)."""
+    sizes, which differ by design; `_out_shapes` then checks every rank's blocks (a block that is
+    not torch.chunk's cut raises the same SpecError on every rank)."""
     tops, treedef = optree.tree_flatten(out, is_leaf=_is_per_rank)
     per_rank = [x for x in tops if isinstance(x, PerRank)]
     if not per_rank:
@@ -520,6 +525,9 @@ def switch(index, branches, *operands):
     allowed = union if typed is None else -1  # (typed by the branches: their traces saw every tensor)
     with _BranchGuard(tr, bits, allowed, i), _watchdog.anonymous_sites():  # branches differ by rank
         out = branches[i](*operands)
+        # the collectives the branch queued (fshard/_combine.py) run now, inside it (as every rank's
+        # branch issued them, without call sites), and its results are filled before they leave it
+        _vma.current("switch")
     tr.uneven, tr.ragged = uneven, ragged
     tr.shapes_differ = True  # the branches' results may differ in shape from one index to the next
     leaves, otreedef = optree.tree_flatten(out)

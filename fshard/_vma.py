@@ -20,27 +20,40 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _comm, _compile, _scalars, _shapes
+from . import _compile, _shapes
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
 from ._opkinds import _INPLACE, _PLAIN, _draws, _kind_of, _random_rule
-from ._primitives import AllReduce, Pvary, _functorch_active, apply
+from ._primitives import Pvary, PvaryInput, _functorch_active, apply
 from ._scalars import (
     _ATTR,
     _CARRIERS,
+    _LEAVES,
     _is_wrapped,
     _plain_args,
     _scan,
     _stack,
+    _unwrap,
+    _varying_axes_text,
+    _varying_scalar,
+    compiled_branch,
+    differentiating,
     hidden_bits,
     needs_grad,
     taint,
+    taint_note,  # noqa: F401  (for shard_map's replication check)
     taint_of,
 )
 from ._twins import _derive_twin, _drop_twins, _twin_entry, _twin_of
 
 _Tensor = torch.Tensor
+
+
+def may_need_grad(t) -> bool:
+    """``t.requires_grad``, or under a transform `needs_grad` (also a tangent that needs one)."""
+    return t.requires_grad or (differentiating() and needs_grad(t))
+
 
 _compiling = _compile.compiling
 
@@ -228,7 +241,7 @@ def _tag_wrapped(t, tag: tuple) -> None:
     """Tag the tensors a torch.func wrapper ``t`` wraps (a batch or a primal varies like its
     wrapper), so that the transform's result keeps the mask once unwrapped."""
     while _is_wrapped(t):
-        t = _scalars._unwrap(t)
+        t = _unwrap(t)
         setattr(t, _ATTR, tag)
 
 
@@ -282,31 +295,6 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
     tag(out, tr, have | missing)
     tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
     return out
-
-
-class PvaryInput(torch.autograd.Function):
-    """`Pvary` of a shard_map input outside the gradient buckets (``bucket_mb=0``): the backward's
-    all-reduce carries the input's key path in its tags, so that ranks whose ``f`` used different
-    inputs (a branch on the rank) raise instead of summing one input's gradient with another's."""
-
-    @staticmethod
-    def forward(x, g, path):
-        with untracked():
-            return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.g, ctx.path = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, ct):
-        if torch.is_grad_enabled():  # double backward: as Pvary's
-            return apply(AllReduce, ct, ctx.g), None, None
-        return _comm.all_reduce(ct, ctx.g, what=f"the gradient of {ctx.path}"), None, None
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):  # (forward-mode AD outside torch.func: the identity, as Pvary's)
-        return x_t.view_as(x_t)
 
 
 def _drop_casts(tr: Trace, x) -> None:
@@ -449,7 +437,7 @@ class VmaMode(TorchFunctionMode):
                         v = t[1]
                     else:  # untagged or stale: invariant, unless a torch.func transform hides a tag
                         v = _hidden(a, tr)
-                    if a.requires_grad or (_functorch_active() and needs_grad(a)):
+                    if a.requires_grad or (differentiating() and needs_grad(a)):
                         low &= v
                 elif type(a) is list or type(a) is tuple:
                     for b in a:
@@ -459,7 +447,7 @@ class VmaMode(TorchFunctionMode):
                                 v = t[1]
                             else:
                                 v = _hidden(b, tr)
-                            if b.requires_grad or (_functorch_active() and needs_grad(b)):
+                            if b.requires_grad or (differentiating() and needs_grad(b)):
                                 low &= v
                         elif type(b) in _CARRIERS:
                             v = _scan(b, tid)
@@ -539,11 +527,11 @@ def _to_python(func, tr: Trace, args, kwargs):
 def _mark(x, tid: int, bits: int):
     if type(x) is list:
         return [_mark(y, tid, bits) for y in x]
-    return _scalars._varying_scalar(x, tid, bits)
+    return _varying_scalar(x, tid, bits)
 
 
 _LEAVE = {  # a tensor's way out of tracking -> what the taint record calls it
-    "__bool__": _scalars._LEAVES["__bool__"],
+    "__bool__": _LEAVES["__bool__"],
     "__int__": "int() of",
     "__float__": "float() of",
     "__index__": "a Python index from",
@@ -574,7 +562,7 @@ def _refuse_varying(func, tr: Trace, args, kwargs):
     bits = _self_bits(tr, args)
     if bits:
         if tr.compiled:  # (raised at trace time as itself)
-            _compile.fail(TracingError, _scalars.compiled_branch(tr, bits, _LEAVE[func.__name__]))
+            _compile.fail(TracingError, compiled_branch(tr, bits, _LEAVE[func.__name__]))
         taint(tr, bits, _LEAVE[func.__name__])
     return func(*args, **kwargs)
 
@@ -596,7 +584,7 @@ def _check_inplace(func, tr: Trace, args, union: int) -> None:
     have = get(dst, tr)
     if have == union:
         return
-    word, axes = _scalars._varying_axes_text(tr, union & ~have)
+    word, axes = _varying_axes_text(tr, union & ~have)
     name = getattr(func, "__name__", str(func))
     raise TracingError(
         f"fs.shard_map({tr.where}): in-place {name} writes a value that varies over mesh {word} {axes} into "

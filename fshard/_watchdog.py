@@ -162,6 +162,7 @@ class _World:
 
     names: tuple = ()
     group = None
+    backend: str | None = None  # the default group's backend, once asked (``_wire.backend``)
 
     def __init__(self, size: int):
         self.global_ranks = tuple(range(size))
@@ -347,13 +348,38 @@ def check_gathered_tags(got: list, rec: tuple, g: Any, device) -> None:
         _disagreed(rec, g, device)
 
 
-def _disagreed(rec: tuple, g: Any, device, what=None) -> None:
+def agree(rec: tuple, g: Any, device, salt: Any, what=None) -> None:
+    """Before the data of collective ``rec`` over ``g`` is sent: one all-reduce of its tags (those an
+    all-reduce of its own carries, `reduce_tags`, with ``salt``: what the collective holds, such as
+    each member of a combined bucket) in a buffer of a fixed size, the same on every rank whatever
+    the collective; raises the same `CollectiveError` on every rank of the group if they disagree,
+    so that a collective whose sizes differ between ranks is never issued (``what()``: the
+    collective's content, in each rank's description)."""
+    sent = reduce_tags(rec, torch.int64, len(g.global_ranks), "sum", salt)
+    if sent is None:
+        return
+    pg = g.group if g.group is not None else dist.group.WORLD
+    with _untracked(), torch.no_grad():
+        t = torch.tensor(sent, dtype=torch.int64, device=device)
+        out = _F.all_reduce.default(t, "sum", pg.group_name)  # type: ignore[union-attr]
+        got = wait(_F.wait_tensor.default, rec, out).tolist()
+    if not reduced_tags_agree(got, sent, len(g.global_ranks), "sum"):
+        _disagreed(rec, g, device, what, sent=False)
+
+
+def _disagreed(rec: tuple, g: Any, device, what=None, sent: bool = True) -> None:
     members, bullets = _each_rank(rec, g.group, device, what)
+    when = (
+        "Its result was not returned: every rank of the group raised this error when the collective "
+        "ended (its tag disagreed)"
+        if sent
+        else "Nothing was sent: every rank of the group raised this error before the collective (the tags "
+        "exchanged before it disagreed)"
+    )
     raise CollectiveError(
         f"fshard: the ranks of the group over {','.join(rec[2]) or 'world'} ({_ranks_text(members)}) ran "
         f"different collectives together:\n{bullets}\n"
-        f"Its result was not returned: every rank of the group raised this error when the collective "
-        f"ended (its tag disagreed). {_ORDER_FIX}. fs.debug() (or FSHARD_DEBUG=1) checks each collective "
+        f"{when}. {_ORDER_FIX}. fs.debug() (or FSHARD_DEBUG=1) checks each collective "
         f"before it is sent"
     )
 

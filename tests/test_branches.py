@@ -308,3 +308,32 @@ def test_an_op_returning_its_operand_keeps_the_twin():
     for r, (loss, gw) in enumerate(run_ranks(2, _rank_same_object, X, W)):
         torch.testing.assert_close(loss, want.detach(), msg=f"rank {r} loss")
         torch.testing.assert_close(gw, w.grad, msg=f"rank {r} grad w")
+
+
+# =============================================================================================
+# a comparison of tracked sizes that comes out the same on every rank is a plain bool
+
+
+def _rank_size_compare(X, W, route):
+    mesh = fs.Mesh(dp=2)
+
+    def f(x, w):
+        n = x.shape[0]  # 2 and 1: tracked, with both ranks' values
+        if (n >= 1) if route == "same" else (n > 1):  # the same on both ranks / not
+            return w * 2
+        return w * 3
+
+    try:
+        return fs.shard_map(f, mesh=mesh, in_specs=("(dp b) d", "d e"), out_specs="d e")(X, W)
+    except fs.SpecError as e:
+        return str(e).splitlines()[-1].split(" a value that varies over")[0]
+
+
+def test_a_size_comparison_the_same_on_every_rank_is_plain():
+    X, W = _randn(7, 3, 2), _randn(8, 2, 2)
+    for got in run_ranks(2, _rank_size_compare, X, W, "same"):
+        torch.testing.assert_close(got, W * 2)
+    assert (
+        run_ranks(2, _rank_size_compare, X, W, "differs")
+        == ["f branched on a value that varies across ranks (a comparison of"] * 2
+    )

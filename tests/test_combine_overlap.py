@@ -47,14 +47,14 @@ def _rank_in_flight(X):
 
     ws = [X[i : i + 4].clone().requires_grad_(True) for i in range(0, 20, 4)]  # (4, 4) blocks over dp
     step = fs.shard_map(f, mesh=mesh, in_specs="(dp r) c", out_specs="...")
-    from fshard import _comm
+    from fshard import _counts
 
     with env_vars(FSHARD_COMBINE_MB=1 / 2**20):
-        _comm._recorders.append(counts)
+        _counts._recorders.append(counts)
         try:
             outs = step(*ws)
         finally:
-            _comm._recorders.remove(counts)
+            _counts._recorders.remove(counts)
         sum(o.sum() * (i + 1) for i, o in enumerate(outs)).backward()
     # before any use: buckets 0 and 1 launched; using bucket k's result launches bucket k + 2
     if seen != [2, 3, 4, 5, 5, 5]:
@@ -162,20 +162,20 @@ def _rank_backward_early(X, W):
 
     ws = [w.clone().requires_grad_(True) for w in W]
     step = fs.shard_map(f, mesh=mesh, in_specs=("(dp b) c", *["(dp r) c"] * len(W)), out_specs="")
-    from fshard import _comm
+    from fshard import _counts
 
     for ahead in (2, 0):
         for w in ws:
             w.grad = None
         seen.clear()
         with env_vars(FSHARD_COMBINE_MB=1 / 2**20, FSHARD_COMBINE_AHEAD=ahead):
-            _comm._recorders.append(counts)
+            _counts._recorders.append(counts)
             try:
                 counts.records.clear()
                 counts.combined.clear()
                 step(X, *ws).backward()
             finally:
-                _comm._recorders.remove(counts)
+                _counts._recorders.remove(counts)
         # early: layers 4, 3 and 2's reduce-scatters are on the wire when layer 1's backward runs
         want = 3 if ahead else 0
         if seen != [want]:

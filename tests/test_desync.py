@@ -206,15 +206,19 @@ def _tag_message(axes, ranks, groups):
 
 def _rank_skips_without_debug(X):
     from fshard import _watchdog as _wd
+    from tests.helpers import env_vars
 
     assert (_wd.S.tags, _wd.S.gather_tags) == (True, False)  # the default: all-reduces carry tags
-    saved, _wd.S.gather_tags = _wd.S.gather_tags, True  # opt-in for the rest (FSHARD_DESYNC_TAGS=all)
-    try:
-        out = _rank_skips_body(X)
-    finally:
-        _wd.S.gather_tags = saved
-    # the all-reduce cases again with the defaults: caught without debug mode and without the opt-in
-    again = _rank_skips_body(X, kinds=("psum", "pmax", "psum_bf16", "skip_tp", "agree"))
+    # the tags sent with each uncombined collective; combined ones are checked before they are sent,
+    # whatever they hold (tests/test_combine_agreement.py)
+    with env_vars(FSHARD_COMBINE="0"):
+        saved, _wd.S.gather_tags = _wd.S.gather_tags, True  # opt-in for the rest (FSHARD_DESYNC_TAGS=all)
+        try:
+            out = _rank_skips_body(X)
+        finally:
+            _wd.S.gather_tags = saved
+        # the all-reduce cases again with the defaults: caught without debug mode and without the opt-in
+        again = _rank_skips_body(X, kinds=("psum", "pmax", "psum_bf16", "skip_tp", "agree"))
     return out, again
 
 
@@ -719,13 +723,25 @@ def test_a_3_axis_mesh_names_the_skipping_rank_and_every_rank_that_did_not_arriv
     # The skipped psum over tp: rank 5's group (ranks 5, 7) raises; every other rank has plain torch's value.
     got = {r: tuple(json.loads((tmp_path / f"result{r}").read_text())) for r in range(8)}
     first, second = (_src_line(EIGHT_SCRIPT, m) for m in ("first", "second"))
+    # combined (the default): checked before it is sent, whatever each rank's bucket holds
     message = _tag_message(
         "tp",
         "ranks 5, 7",
         [
-            ("rank 5", f"#1 all_reduce (fs.psum) over tp of float32 (2,) at eight.py:{second}"),
-            ("rank 7", f"#1 all_reduce (fs.psum) over tp of float32 (2,) at eight.py:{first}"),
+            (
+                "rank 5",
+                f"#1 all_reduce (fs.psum) over tp of float32 (2,) at eight.py:{second}, combining 1 call of psum: (2,)",
+            ),
+            (
+                "rank 7",
+                f"#1 all_reduce (fs.psum) over tp of float32 (2,) at eight.py:{first}, combining 1 call of psum: (2,)",
+            ),
         ],
+    ).replace(
+        "Its result was not returned: every rank of the group raised this error when the collective ended (its "
+        "tag disagreed)",
+        "Nothing was sent: every rank of the group raised this error before the collective (the tags exchanged "
+        "before it disagreed)",
     )
     B = torch.arange(16.0).reshape(2, 2, 2, 2)  # [dp, tp, pp, b]
     for r in range(8):

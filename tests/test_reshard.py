@@ -155,6 +155,8 @@ CASES = [
     ("leaf", "1", "outer", False, False, False),
     ("leaf", "1", "outer", True, True, False),
     ("leaf", "1", "outer", True, False, True),
+    ("tree", "1", "outer", True, False, True),
+    ("tree", "0", "outer", True, False, True),
 ]
 
 
@@ -196,6 +198,8 @@ def _rank_table(sizes: dict, X):
         want = gathered if combined else len(SAVED)
         if where == "inner":
             want = f0 if combined else len(SAVED)
+        if form == "tree" and uneven:  # one coalesced all-gather per dtype (padded), each regathered once
+            want = len({dt for _, _, dt in LEAVES.values()})
         if second:  # the create_graph gathers are differentiable (a coalesced call, or one per call)
             want = extra
         if extra != want:

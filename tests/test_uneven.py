@@ -334,7 +334,7 @@ def test_collectives_inside_uneven():
         "index 1: (3, 3); index 2: (3, 3); index 3: (1, 3)), because an input of this call is split unevenly "
         "(torch.chunk's blocks); fs.psum needs the same shape on every rank. Pad the blocks to the largest "
         "(torch.nn.functional.pad) or reduce them to a shape that agrees (e.g. x.sum(0)) first; "
-        "fs.all_gather(x, axis, dim, tiled=True) of one tensor accepts blocks that differ along dim"
+        "fs.all_gather(x, axis, dim, tiled=True) (of a tensor or a pytree) accepts blocks that differ along dim"
     )
     assert [m for _, m in got] == [want] * 4
 
