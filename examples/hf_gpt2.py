@@ -14,8 +14,9 @@ splits each parameter's dim 0 over dp (the vocabulary of 250 rows unevenly over 
 
 Run from the repository root (``pip install -e .[test]`` installs transformers)::
 
-    python -m fshard.run -n 2 examples/hf_gpt2.py
+    python -m fshard.run -n 4 examples/hf_gpt2.py
     python -m fshard.run -n 4 examples/hf_gpt2.py --layout fsdp
+    torchrun --nproc-per-node 4 examples/hf_gpt2.py
 
 The script checks every loss and the final parameters against the same training in one process
 (the same AdamW steps on the whole batch) and exits non-zero if they disagree.
