@@ -547,7 +547,9 @@ def _view_attr(func, tr: Trace, args, kwargs):
     out = func(*args, **kwargs)
     if tr.compiled and isinstance(out, _Tensor):
         out = out.view_as(out)
-    bits = _self_bits(tr, args)
+    elif tr.uneven:  # its shape at every position, as the plain rule's
+        _shapes.propagate(func, tr, args, kwargs or {}, out)
+    bits = _self_bits(tr, args) | tr.taint  # (made after a branch on a varying value: varies like it)
     if bits:
         return _tag_out(_own(out, args, kwargs), tr, bits)
     if tr.twins and isinstance(out, _Tensor) and out.requires_grad:
