@@ -50,6 +50,8 @@ CASES = [
     ("ddp_module", 2, ["--epochs", "1", "--closure"]),  # parameters captured by closure
     ("dp_tp", 2, ["--dp", "1", "--steps", "2"]),  # tp only, on 2 ranks
     ("data_parallel", 1, ["--steps", "2"]),  # a 1-rank world: no collectives at all
+    ("hf_gpt2", 2, ["--steps", "2"]),  # transformers' GPT-2, data parallel, padded batches
+    ("hf_gpt2", 4, ["--steps", "2", "--layout", "fsdp"]),  # FSDP, the vocabulary split unevenly
 ]
 # Run through `python -m fshard.run` in fresh processes, as the example's docstring says.
 LAUNCHED = ("matmul_psum", 4, [])
