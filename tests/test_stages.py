@@ -367,7 +367,7 @@ def test_errors_full_text():
         "replicas": (
             "SpecError",
             "fs.PerRank: the ranks that hold the same index along 'pp' (the copies along 'dp') hold trees of "
-            "different structure, shapes or dtypes (index 1: rank 1 vs rank 3); a per-rank value is replicated "
+            "different structure, shapes, dtypes or device types (index 1: rank 1 vs rank 3); a per-rank value is replicated "
             "over the other axes: build it the same way on every rank of an index (e.g. fs.PerRank.build(mesh, "
             "'pp', [...]) with the same seeds)",
         ),

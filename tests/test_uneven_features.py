@@ -129,9 +129,9 @@ def _shape_checks_apart():
     checks: list = []
     orig = _comm.gather_shapes
 
-    def counted(xs, g, device=None):
+    def counted(xs, g, *more, **kw):
         before = [len(r.records) for r in _counts._recorders]
-        out = orig(xs, g, device)
+        out = orig(xs, g, *more, **kw)
         for r, b in zip(_counts._recorders, before):
             checks.extend(r.records[b:])
             del r.records[b:]
