@@ -445,8 +445,8 @@ class Extremum(torch.autograd.Function):
 
     @staticmethod
     @_untracked
-    def forward(x, g, op):
-        return _comm.all_reduce(x, g, op)
+    def forward(x, g, op):  # (owned: the max may be a view of the buffer its NaN marks rode in)
+        return _owned(_comm.all_reduce(x, g, op))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -322,18 +322,24 @@ def _cast_args(seq, tr: Trace, union: int):
     return out
 
 
-def _own(out, args, kwargs):
-    """``out``, or a view of it if the op returned an operand (``w.to(x.device)``, ``w.type_as(x)``):
-    tagging it must not retag the operand (an invariant ``w`` would count as varying, and its
-    uses after the op would go uncast)."""
-    if isinstance(out, _Tensor):
-        return out.view_as(out) if _takes_tensor(out, args, kwargs) else out
-    if isinstance(out, (tuple, list)) and any(
-        isinstance(o, _Tensor) and _takes_tensor(o, args, kwargs) for o in out
-    ):
-        return type(out)(
-            o.view_as(o) if isinstance(o, _Tensor) and _takes_tensor(o, args, kwargs) else o for o in out
+def _own(out, args, kwargs, tag: tuple):
+    """``out``, or a view of it if the op returned an operand (``w.to(x.device)``, ``w.type_as(x)``)
+    whose mask ``tag`` would change: tagging it must not retag the operand (an invariant ``w`` would
+    count as varying, and its uses after the op would go uncast). An operand that already varies so
+    is returned itself (``t.requires_grad_()``: a view would not be the leaf the caller holds)."""
+
+    def mine(o) -> bool:  # (a torch.func wrapper keeps itself: its transform tracks the identity)
+        return (
+            isinstance(o, _Tensor)
+            and getattr(o, _ATTR, None) != tag
+            and not _is_wrapped(o)
+            and _takes_tensor(o, args, kwargs)
         )
+
+    if isinstance(out, _Tensor):
+        return out.view_as(out) if mine(out) else out
+    if isinstance(out, (tuple, list)) and any(mine(o) for o in out):
+        return type(out)(o.view_as(o) if mine(o) else o for o in out)
     return out
 
 
@@ -498,7 +504,7 @@ class VmaMode(TorchFunctionMode):
                     setattr(args[0], _ATTR, (tid, union))
                 out = _tag_out(out, tr, union)
             else:
-                out = _tag_out(_own(out, args, kwargs), tr, union)
+                out = _tag_out(_own(out, args, kwargs, (tid, union)), tr, union)
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
         if kind is _INPLACE and tr.compiled and args and isinstance(args[0], _Tensor):
@@ -551,7 +557,7 @@ def _view_attr(func, tr: Trace, args, kwargs):
         _shapes.propagate(func, tr, args, kwargs or {}, out)
     bits = _self_bits(tr, args) | tr.taint  # (made after a branch on a varying value: varies like it)
     if bits:
-        return _tag_out(_own(out, args, kwargs), tr, bits)
+        return _tag_out(_own(out, args, kwargs, (tr.id, bits)), tr, bits)
     if tr.twins and isinstance(out, _Tensor) and out.requires_grad:
         _derive_twin(tr, func, args, kwargs, out)
     return out
