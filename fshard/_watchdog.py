@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._env import collective_timeout, is_comm_error
 from ._errors import CollectiveError
 
 _F = torch.ops._c10d_functional
@@ -405,16 +406,24 @@ def wait(fn, rec: tuple | None, *args, **kwargs):
 def timed_out(exc: BaseException, rec: tuple | None) -> CollectiveError | None:
     """The error to raise instead of ``exc`` when ``exc`` is the process-group timeout ending the
     wait in ``rec`` (None otherwise): which ranks of the group did not arrive, and where they are."""
-    if rec is None or not rec[0] or "timed out" not in str(exc).lower() or not _world():
+    if rec is None or not rec[0] or not _world():
         return None
     waited = time.monotonic() - S.since
+    closed = "timed out" not in str(exc).lower()
+    if closed and not _closed_by_a_timeout(exc, waited):
+        return None
     try:
         states = _collect(_main_store(), rec[3], reached=rec)
     except Exception:  # the store is gone (its host rank has already ended): gloo's error stands
         return None
     missing = _missing(rec, states)
     me = dist.get_rank()
-    head = f"rank {me} timed out after {waited:.0f} s waiting in {describe(rec)} (over {_ranks_text(rec[3])})"
+    over = f"{describe(rec)} (over {_ranks_text(rec[3])})"
+    head = f"rank {me} timed out after {waited:.0f} s waiting in {over}"
+    gave_up = f"timed out waiting for it after {waited:.0f} s"
+    if closed:  # a peer timed out first
+        head = f"rank {me} stopped waiting after {waited:.0f} s in {over} when a rank that timed out there closed its connection"
+        gave_up = f"stopped waiting for it after {waited:.0f} s (a peer that timed out closed the connection)"
     if not missing:
         err = CollectiveError(
             f"{head}; every rank of the group had issued it or a later one, so they disagree about it:\n"
@@ -423,7 +432,7 @@ def timed_out(exc: BaseException, rec: tuple | None) -> CollectiveError | None:
         )
         return err
     where = "; ".join(f"rank {r} {_whereabouts(states.get(r))}" for r in missing)
-    text = f"did not arrive at {describe(rec)}, where rank {me} timed out waiting for it after {waited:.0f} s"
+    text = f"did not arrive at {describe(rec)}, where rank {me} {gave_up}"
     err = CollectiveError(
         f"{head}: {_ranks_text(missing)} did not arrive ({where}). Every rank of a group must reach each of "
         f"its collectives within the timeout (fs.init(timeout=...)): look for work the missing rank does alone "
@@ -432,6 +441,15 @@ def timed_out(exc: BaseException, rec: tuple | None) -> CollectiveError | None:
     # read by the exit hook (fshard._env.write_error_file): the launcher names these ranks
     err.fshard_blame = (missing, text)  # type: ignore[attr-defined]
     return err
+
+
+def _closed_by_a_timeout(exc: BaseException, waited: float) -> bool:
+    """Whether ``exc`` is a connection that a peer closed when its own wait in the same collective
+    timed out: ranks that wait for the same missing rank time out within moments of each other, and
+    the first to give up closes its pairs, so the others see a closed connection, not a timeout.
+    They must name the missing rank all the same (and do so while the store still serves them)."""
+    timeout = collective_timeout()
+    return timeout is not None and is_comm_error(exc) and waited >= 0.5 * timeout.total_seconds()
 
 
 def _whereabouts(state: dict | None) -> str:

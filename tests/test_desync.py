@@ -583,10 +583,13 @@ def test_fshard_run_names_the_rank_that_did_not_arrive(tmp_path):
                 rest
                 == f"{psum} (over ranks 0, 1, 2, 3); rank 2 of the group has not arrived (rank 0 prints where every rank is)"
             )
-    # The error that ends the wait names rank 2; so does the launcher's last line.
+    # The error that ends the wait names rank 2; so does the launcher's last line. (A rank whose
+    # wait a faster peer's timeout ended says so: see the test below.)
+    over = rf"{re.escape(psum)} \(over ranks 0, 1, 2, 3\)"
+    TIMED_OUT = rf"timed out after \d+ s waiting in {over}"
+    CLOSED = rf"stopped waiting after \d+ s in {over} when a rank that timed out there closed its connection"
     assert re.search(
-        rf"fshard\.CollectiveError: rank \d timed out after \d+ s waiting in {re.escape(psum)} \(over ranks "
-        r"0, 1, 2, 3\): rank 2 did not arrive \(rank 2 last finished #1 all_reduce \(fs\.psum\) over dp,tp of "
+        rf"fshard\.CollectiveError: rank \d (?:{TIMED_OUT}|{CLOSED}): rank 2 did not arrive \(rank 2 last finished #1 all_reduce \(fs\.psum\) over dp,tp of "
         rf"float32 \(2,\) at stuck\.py:{at_psum} and is at stuck\.py:{at_sleep} in <module>: time\.sleep\(60\)  # stuck in its "
         r"own data loading\)\. Every rank of a group must reach each of its collectives within the timeout "
         r"\(fs\.init\(timeout=\.\.\.\)\): look for work the missing rank does alone \(data loading, evaluation "
@@ -596,8 +599,70 @@ def test_fshard_run_names_the_rank_that_did_not_arrive(tmp_path):
     launcher = [line for line in out.stderr.splitlines() if line.startswith("fshard.run:")]
     assert len(launcher) == 1, out.stderr
     assert re.fullmatch(
-        rf"fshard\.run: rank 2 \(pid \d+\) did not arrive at {re.escape(psum)}, where rank \d timed out "
-        r"waiting for it after \d+ s; terminating it and the \d other running rank\(s\)",
+        rf"fshard\.run: rank 2 \(pid \d+\) did not arrive at {re.escape(psum)}, where rank \d (?:timed out "
+        r"waiting for it after \d+ s|stopped waiting for it after \d+ s \(a peer that timed out closed the "
+        r"connection\)); terminating it and the \d other running rank\(s\)",
+        launcher[0],
+    ), out.stderr
+
+
+RACE_SCRIPT = """
+import time, torch
+import torch.distributed as dist
+import fshard as fs
+
+fs.init(timeout=6, hang_report=30)
+mesh = fs.Mesh(dp=2, tp=2)
+
+@fs.shard_map(mesh=mesh, in_specs="(dp tp b)", out_specs="b")
+def total(x):
+    return fs.psum(x, ("dp", "tp"))  # psum
+
+x = torch.arange(8.0)
+print(total(x).tolist(), flush=True)
+if dist.get_rank() == 2:
+    time.sleep(60)  # stuck
+if dist.get_rank() == 0:
+    time.sleep(2.5)  # late: rank 1 times out first and closes its connections
+print(total(x).tolist(), flush=True)
+"""
+
+
+def test_a_rank_whose_wait_a_faster_timeout_ended_names_the_missing_rank_too(tmp_path):
+    # Ranks waiting for the same missing rank time out moments apart; the first to give up closes
+    # its connections, so the others get gloo's "Connection closed by peer", not a timeout. They
+    # must name the missing rank all the same, or the launcher (which names the first rank that
+    # recorded a root cause) blames a victim. Here rank 0 arrives 2.5 s late, so rank 1 times out first.
+    script = tmp_path / "race.py"
+    script.write_text(RACE_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-m", "fshard.run", "-n", "4", str(script)],
+        env=_clean_env(),
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert out.returncode == 1, out.stderr
+    psum = f"#2 all_reduce (fs.psum) over dp,tp of float32 (2,) at race.py:{_src_line(RACE_SCRIPT, 'psum')}"
+    stuck = f"race.py:{_src_line(RACE_SCRIPT, 'stuck')} in <module>: time.sleep(60)  # stuck"
+    where = f"rank 2 last finished #1 {psum[3:]} and is at {stuck}"
+    closed = re.search(r"fshard\.CollectiveError: rank 0 stopped waiting after (\d+) s in (.*)\n", out.stderr)
+    assert closed is not None, out.stderr
+    assert 2 <= int(closed.group(1)) <= 5, out.stderr  # 6 s less the 2.5 s it arrived late
+    assert closed.group(2) == (
+        f"{psum} (over ranks 0, 1, 2, 3) when a rank that timed out there closed its connection: rank 2 did not "
+        f"arrive ({where}). Every rank of a group must reach each of its collectives within the timeout "
+        f"(fs.init(timeout=...)): look for work the missing rank does alone (data loading, evaluation or saving "
+        f"on one rank), or a collective it skipped"
+    )
+    assert "Connection closed by peer" not in out.stderr.splitlines()[-1]
+    launcher = [line for line in out.stderr.splitlines() if line.startswith("fshard.run:")]
+    assert len(launcher) == 1, out.stderr
+    assert re.fullmatch(
+        rf"fshard\.run: rank 2 \(pid \d+\) did not arrive at {re.escape(psum)}, where rank [01] "
+        r"(?:timed out waiting for it after \d+ s|stopped waiting for it after \d+ s \(a peer that timed out "
+        r"closed the connection\)); terminating it and the 2 other running rank\(s\)",
         launcher[0],
     ), out.stderr
 
