@@ -7,7 +7,7 @@ import functools
 import optree
 import torch
 
-from . import _buckets, _vma
+from . import _buckets, _scalars, _shapes, _vma
 from ._comm import untracked
 from ._errors import FshardError
 from ._primitives import _functorch_active
@@ -32,25 +32,33 @@ def _path(treedef, i: int) -> str:
     return "grad argument" + "".join(f"[{k!r}]" for k in optree.treespec_paths(treedef)[i])
 
 
+def _primal(x, tr):
+    """A differentiable copy of ``x``; inside shard_map it varies like ``x`` where ``x`` is read whole
+    (`_scalars.same_value`) and keeps ``x``'s shapes at every rank (uneven blocks)."""
+    t = x.detach().requires_grad_(True)
+    if tr is not None:
+        _scalars.same_value(t, x, tr)
+        if tr.uneven:
+            _shapes.put(t, tr, _shapes.of(x, tr))
+    return t
+
+
 def _prepare_in(tree, tr):
     leaves, treedef = optree.tree_flatten(tree)
     prim, new = [], []
     for x in leaves:
         if isinstance(x, Sharded):
-            t = x.local.detach().requires_grad_(True)
-            if tr is not None:
-                _vma.tag(t, tr, _vma.get(x.local, tr))
+            t = _primal(x.local, tr)
             prim.append(t)
             new.append(x._like(t))
         elif isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
-            t = x.detach().requires_grad_(True)
-            if tr is not None:
-                _vma.tag(t, tr, _vma.get(x, tr))
+            t = _primal(x, tr)
             prim.append(t)
             new.append(t)
         else:
             prim.append(None)
             new.append(x)
+    boundary: dict = {}  # leaf index -> (BoundaryState, index at the boundary)
     if tr is not None and tr.bucket_mb:
         # inside shard_map: the gradient reductions of these tensors go in buckets (_buckets)
         idx = [i for i, x in enumerate(new) if isinstance(x, torch.Tensor) and prim[i] is x]
@@ -60,8 +68,14 @@ def _prepare_in(tree, tr):
             [new[i] for i in idx], masks, tr, all_bits, tr.bucket_mb, path=lambda k: _path(treedef, idx[k])
         )
         for i, v in zip(idx, vis):
+            if v is not new[i]:
+                hit = tr.twins.get(id(v))
+                if hit is not None:
+                    boundary[i] = (hit[3], hit[2])
+                if tr.uneven:
+                    _shapes.put(v, tr, _shapes.of(new[i], tr))
             new[i] = v
-    return leaves, treedef, prim, optree.tree_unflatten(treedef, new)
+    return leaves, treedef, prim, optree.tree_unflatten(treedef, new), boundary
 
 
 def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False):
@@ -103,24 +117,44 @@ def value_and_grad(f, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = Fal
         _check_scalar(value)
         prims = [t for i in nums for t in preps[i][2] if t is not None]
         grads = iter(torch.autograd.grad(value, prims, allow_unused=True) if prims else ())
+        tr = _vma.active()
         results = []
         for i in nums:
-            leaves, treedef, prim, _ = preps[i]
+            leaves, treedef, prim, _, boundary = preps[i]
             out_leaves = []
-            for x, t in zip(leaves, prim):
+            for k, (x, t) in enumerate(zip(leaves, prim)):
                 if t is None:
                     out_leaves.append(None)
                     continue
                 g = next(grads)
                 if g is None:
                     g = torch.zeros_like(t)
+                elif tr is not None and tr.taint and k in boundary:
+                    with untracked():
+                        _reduced_alone(g, t, tr, *boundary[k])
                 out_leaves.append(x._like(g) if isinstance(x, Sharded) else g)
             results.append(optree.tree_unflatten(treedef, out_leaves))
         g_out = results[0] if isinstance(argnums, int) else tuple(results)
-        value = value.detach()
-        return ((value, aux), g_out) if has_aux else (value, g_out)
+        if tr is None:
+            out = value.detach()
+        else:  # the same bytes: a collective's result stays one (`_scalars.same_value`)
+            with untracked():
+                out = value.detach()
+                _scalars.same_value(out, value, tr)
+        return ((out, aux), g_out) if has_aux else (out, g_out)
 
     return wrapped
+
+
+def _reduced_alone(g, t, tr, state, k: int) -> None:
+    """After a branch on a varying value (`_scalars.taint`): the gradient ``g`` of the primal ``t``
+    that no invariant use reached is the all-reduce of its bucket over its axis group (`_buckets`):
+    this rank's own gradient summed with the other ranks' of that group, whatever path each rank
+    took, as DDP sums it; the same on every rank of the group (`_vma.tag_result`), so it is no
+    value the branch made. (A gradient an invariant use added to is local: it stays tainted.)"""
+    group = state.alone[k]
+    if group is not None:
+        _vma.tag_result(g, tr, _vma.get(t, tr), tr.mesh.bits(group.names))
 
 
 def _check_scalar(value) -> None:

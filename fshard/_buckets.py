@@ -150,6 +150,7 @@ class BoundaryState:
         "extra",
         "launched",
         "where",
+        "alone",
     )
 
     def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None, where=None):
@@ -178,6 +179,9 @@ class BoundaryState:
         self.extra: list = []  # gradients outside the plan (launched at the boundary, by index)
         self.launched: list = []  # (work, flat, indices, shapes, record, tags, group, flight), in launch order
         self.where = where  # (function name, key path of input i) for errors, or None
+        # per input, after a backward: the axis group whose all-reduce alone made its gradient (no
+        # invariant use added to it), or None; such a gradient is the same on every rank of the group
+        self.alone: list[AxisGroup | None] = [None] * n
 
     def begin(self) -> None:
         """Start this backward's buckets; drop what an abandoned backward of the graph left."""
@@ -338,6 +342,7 @@ class BoundaryState:
                 if red.dtype != dtypes[i]:
                     red = red.to(dtypes[i])
                 offset += n
+                self.alone[i] = g if grads[i] is None else None
                 grads[i] = red if grads[i] is None else grads[i] + red
 
     def _check_tags(self, flat: torch.Tensor, tags: tuple, idx: list, rec: tuple, g: AxisGroup) -> None:
@@ -448,6 +453,7 @@ class GradBoundary(torch.autograd.Function):
         state: BoundaryState = ctx.state
         n = len(state.groups)
         grads: list = [None] * n
+        state.alone = [None] * n
         differentiable = torch.is_grad_enabled()
         if not differentiable:
             state.begin()  # keeps the buckets the taps filled in this backward
@@ -464,6 +470,7 @@ class GradBoundary(torch.autograd.Function):
             if differentiable:  # create_graph: keep the reduction differentiable, nothing deferred
                 if twin is not None and g is not None:
                     red = apply(AllReduce, twin, g).to(dtype)
+                    state.alone[i] = g if grads[i] is None else None
                     grads[i] = red if grads[i] is None else grads[i] + red
                 continue
             leaf = state.leaves[i]

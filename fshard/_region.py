@@ -78,6 +78,14 @@ def _region_code(fn, mesh, where, masks):
     return region
 
 
+def _cast(x, tr: _vma.Trace):
+    """A region's argument ``x`` cast to vary over the call's taint (a tensor needing a gradient)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    have = _vma.get(x, tr)
+    return _vma.pvary(x, tr, have, have | tr.taint)
+
+
 class Region:
     """The compiled forms of one ``fs.compile``'d function for calls inside eager shard_map calls:
     one per (mesh, shard_map'd function, masks of the arguments)."""
@@ -88,9 +96,14 @@ class Region:
         self.compiled: dict[tuple, Any] = {}
 
     def __call__(self, tr: _vma.Trace, args, kwargs):
-        tree: Any = (args, kwargs)
-        leaves = optree.tree_leaves(tree, none_is_leaf=True)
-        masks = tuple(_vma.get(x, tr) if isinstance(x, torch.Tensor) else 0 for x in leaves)
+        with untracked():  # (fshard's bookkeeping, unseen by the tracking mode)
+            tree: Any = (args, kwargs)
+            given = optree.tree_leaves(tree, none_is_leaf=True)  # (before the casts: written in place too)
+            if tr.taint:  # after a branch on a varying value the arguments vary like it (cast as ops cast)
+                tree = optree.tree_map(lambda x: _cast(x, tr), tree, none_is_leaf=True)
+                args, kwargs = tree
+            leaves = optree.tree_leaves(tree, none_is_leaf=True)
+            masks = tuple(_vma.get(x, tr) if isinstance(x, torch.Tensor) else 0 for x in leaves)
         key = (id(tr.mesh), tr.where, masks)
         hit = self.compiled.get(key)
         if hit is None:
@@ -112,9 +125,11 @@ class Region:
         finally:
             _stack.append(tr)
         if written != masks:  # as the eager in-place rule does: the written argument varies as its value
-            for x, m, w in zip(leaves, masks, written):
+            for x, g, m, w in zip(leaves, given, masks, written):
                 if w != m:
                     _vma.tag(x, tr, w)
+                    if g is not x:  # a cast's operand: the write reached it through the cast's view
+                        _vma.tag(g, tr, w)
         outs = optree.tree_leaves(out, none_is_leaf=True)
         for o, m in zip(outs, got):
             if isinstance(o, torch.Tensor):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -171,6 +172,18 @@ def taint_of(t, tr: Any) -> int:
         if hit is not None and hit[0]() is t:
             bits &= ~hit[1]
     return bits
+
+
+def same_value(dst, src, tr: Any) -> None:
+    """``dst`` holds the bytes of ``src``: fshard's own copy of it (``fs.value_and_grad``'s value
+    and primals), made alike on every rank. It varies like ``src`` read whole (its axes and the
+    call's taint, `taint_of`): a collective's result made after the latest taint stays one."""
+    tag = getattr(src, _ATTR, None)
+    bits = tag[1] if tag is not None and tag[0] == tr.id else hidden_bits(src, tr.id)
+    setattr(dst, _ATTR, (tr.id, bits | taint_of(src, tr)))
+    hit = tr.fresh.get(id(src)) if tr.taint else None
+    if hit is not None and hit[0]() is src:
+        tr.fresh[id(dst)] = (weakref.ref(dst), hit[1])
 
 
 def taint_note(tr: Any) -> str:
@@ -345,6 +358,7 @@ def _scan(x, tid: int) -> int:
 
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_mode_on = torch._C._is_torch_function_mode_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
 _unwrap = torch._C._functorch.get_unwrapped
@@ -362,7 +376,11 @@ def hidden_bits(t: torch.Tensor, tid: int) -> int:
         t = _unwrap(t)
         tag = getattr(t, _ATTR, None)
         return tag[1] if tag is not None and tag[0] == tid else hidden_bits(t, tid)
-    base = t._base
+    if _mode_on():  # read from the user's code (a collective's operand): unseen by the tracking mode,
+        with torch._C.DisableTorchFunction():  # whose rule for it would tag the base after a branch
+            base = t._base
+    else:
+        base = t._base
     if base is not None:
         tag = getattr(base, _ATTR, None)
         if tag is not None and tag[0] == tid:

@@ -1,7 +1,8 @@
 """The twins of shard_map's differentiable inputs, as the tracking mode (`_vma`) uses them.
 
-A tensor behind a gradient boundary (`_buckets`), or an invariant function of one (``w.T``,
-``w[:s]``, ``w.to(bf16)``, ``w * 2``), has a *twin*: the tensor its ``pvary`` cast returns, whose
+A tensor behind a gradient boundary (`_buckets`), or a function of one that is invariant or varies
+like it (``w.T``, ``w[:s]``, ``w.to(bf16)``, ``w * 2``, ``w.flatten(1)`` of a ``w`` split over tp), has
+a *twin*: the tensor its ``pvary`` cast returns, whose
 gradient reaches the boundary unreduced and is summed in its buckets. A trace keeps one entry per
 such tensor (`Trace.twins`, keyed by id), made when the tensor is; the twin itself is derived on
 the first varying use. A tensor is never derived from itself: an op that returns one of its
@@ -44,14 +45,18 @@ def twin_entry(visible, twin, index: int, state, derivation=None, version=None) 
 
 
 def _derive_twin(tr, func, args, kwargs, out) -> None:
-    """``out`` is an invariant function of one tensor behind a GradBoundary (``w.T``, ``w[:s]``,
-    ``w.to(bf16)``, ``w * 2``): register the same function of that tensor's twin, made only if
-    ``out`` is ever cast with pvary. Its gradient then reaches the twin unreduced and is summed
-    in the bucket: exact, since the function is the same on every rank (so is its transpose).
+    """``out`` is a function of one tensor behind a GradBoundary (``w.T``, ``w[:s]``, ``w.to(bf16)``,
+    ``w * 2``), invariant or varying only like that tensor (the tracking mode's callers see to
+    it; not after a branch on a varying value): register the same function of that tensor's twin,
+    made only if ``out`` is ever cast with pvary. Its gradient then reaches the twin unreduced and
+    is summed in the bucket: exact, since the function is the same on every rank of the axes the
+    cast adds, over which its operands do not vary (so is its transpose).
 
     An op that returned one of its operands (``w.to(w.device)``, ``w.float()`` of a float,
     ``w.contiguous()`` of a contiguous one, ``w.requires_grad_()``) made nothing new: the
     operand keeps its own entry (a tensor is never derived from itself)."""
+    if not isinstance(out, _Tensor) or not out.requires_grad:
+        return
     src = None
     for a in args:
         if isinstance(a, _Tensor):

@@ -305,20 +305,14 @@ def _drop_casts(tr: Trace, x) -> None:
 
 
 def _cast_args(seq, tr: Trace, union: int):
+    """The operands ``seq`` (tensors, and lists or tuples of them), each cast to vary over ``union``."""
     out = []
     for a in seq:
         if isinstance(a, _Tensor):
             v = get(a, tr)
             out.append(pvary(a, tr, v, union) if v != union else a)
-        elif type(a) in (list, tuple):
-            out.append(
-                type(a)(
-                    pvary(b, tr, get(b, tr), union) if isinstance(b, _Tensor) and get(b, tr) != union else b
-                    for b in a
-                )
-            )
         else:
-            out.append(a)
+            out.append(type(a)(_cast_args(a, tr, union)) if type(a) in (list, tuple) else a)
     return out
 
 
@@ -505,6 +499,8 @@ class VmaMode(TorchFunctionMode):
                 out = _tag_out(out, tr, union)
             else:
                 out = _tag_out(_own(out, args, kwargs, (tid, union)), tr, union)
+                if tr.twins and not mixed and not tr.compiled:  # of one tensor, varying like it: w.flatten(1)
+                    _derive_twin(tr, func, args, kwargs, out)
         elif tr.twins and kind is _PLAIN and isinstance(out, _Tensor) and out.requires_grad:
             _derive_twin(tr, func, args, kwargs, out)
         if kind is _INPLACE and tr.compiled and args and isinstance(args[0], _Tensor):
@@ -550,15 +546,17 @@ def _view_attr(func, tr: Trace, args, kwargs):
     op of one tensor. Compiled, a view of Dynamo's result: Dynamo names that by where it reads it
     (``args[0].T``), so the pvary cache's ``id(x)`` guarded on an object the attribute makes anew
     at each read, a guard that failed at once (``x @ w.T`` of a replicated ``w`` needing a grad)."""
+    bits = _self_bits(tr, args) | tr.taint  # (made after a branch on a varying value: varies like it)
+    if tr.taint:  # ... its operand cast, as the plain rule casts (its gradient summed over the taint)
+        args = _cast_args(args, tr, bits)
     out = func(*args, **kwargs)
     if tr.compiled and isinstance(out, _Tensor):
         out = out.view_as(out)
     elif tr.uneven:  # its shape at every position, as the plain rule's
         _shapes.propagate(func, tr, args, kwargs or {}, out)
-    bits = _self_bits(tr, args) | tr.taint  # (made after a branch on a varying value: varies like it)
     if bits:
-        return _tag_out(_own(out, args, kwargs, (tr.id, bits)), tr, bits)
-    if tr.twins and isinstance(out, _Tensor) and out.requires_grad:
+        out = _tag_out(_own(out, args, kwargs, (tr.id, bits)), tr, bits)
+    if tr.twins and not tr.taint and (not bits or not tr.compiled):  # (invariant, or varying like x)
         _derive_twin(tr, func, args, kwargs, out)
     return out
 
@@ -576,9 +574,11 @@ def _refuse_varying(func, tr: Trace, args, kwargs):
 
 
 def _iterate(func, tr: Trace, args, kwargs):
-    """``for row in t``: each row varies like ``t``."""
-    rows = list(func(*args, **kwargs))
+    """``for row in t``: each row varies like ``t`` (and the taint: ``t`` cast to it, as in `_view_attr`)."""
     bits = _self_bits(tr, args) | tr.taint
+    if tr.taint:
+        args = _cast_args(args, tr, bits)
+    rows = list(func(*args, **kwargs))
     if bits:
         rows = _tag_out(rows, tr, bits)
     return iter(rows)

@@ -17,6 +17,7 @@ by the global norm (``torch.nn.utils.clip_grad_norm_`` would clip each rank by i
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -64,6 +65,72 @@ def _join(locals_, like, treedef):
         treedef,
         [x._like(t) if isinstance(x, Sharded) else t for t, x in zip(locals_, like)],
     )
+
+
+def _tensor_masks(tr, tree, treedef, per: list) -> int:
+    """Add the varying axes of ``tree``'s tensors to ``per`` (one mask per parameter leaf) where
+    ``tree`` lines up with the parameters (``treedef``), or to the mask returned (the rest)."""
+    shared = 0
+    if optree.tree_structure(tree) == treedef:
+        for k, x in enumerate(optree.tree_leaves(tree)):
+            t = x.local if isinstance(x, Sharded) else x
+            if isinstance(t, torch.Tensor):
+                per[k] |= _vma.get(t, tr)
+    elif isinstance(tree, (dict, list, tuple)):
+        for sub in tree.values() if isinstance(tree, dict) else tree:
+            shared |= _tensor_masks(tr, sub, treedef, per)
+    elif isinstance(tree, Sharded):
+        shared |= _vma.get(tree.local, tr)
+    elif isinstance(tree, torch.Tensor):
+        shared |= _vma.get(tree, tr)
+    return shared
+
+
+def _retag(tr, tree, treedef, per: list, shared: int) -> None:
+    """Tag ``tree``'s tensors as fresh results (`_vma.tag_result`) varying over their operands' axes."""
+    if optree.tree_structure(tree) == treedef:
+        for k, x in enumerate(optree.tree_leaves(tree)):
+            t = x.local if isinstance(x, Sharded) else x
+            if isinstance(t, torch.Tensor):
+                m = per[k] | shared
+                _vma.tag_result(t, tr, m, tr.taint & ~m)
+    elif isinstance(tree, (dict, list, tuple)):
+        for sub in tree.values() if isinstance(tree, dict) else tree:
+            _retag(tr, sub, treedef, per, shared)
+    elif isinstance(tree, (Sharded, torch.Tensor)):
+        t = tree.local if isinstance(tree, Sharded) else tree
+        _vma.tag_result(t, tr, shared, tr.taint & ~shared)
+
+
+def _uniform(fn, *extra):
+    """``fn``, an optimizer's ``init`` or ``update``, whose results vary only like their operands
+    (and the tensors of ``extra``: a tensor ``lr``) after a branch on a varying value in the call
+    (`_scalars.taint`), instead of counting as made by the branch: ``fn`` is fshard's, the same
+    ops on every rank whatever the values, so its results agree wherever its operands do (a
+    parameter's update from its fs.value_and_grad gradient, reduced over the data-parallel axes,
+    is replicated as the parameter is). The replication check verifies that the ranks' results
+    agree (`_checks`): an optimizer a branch chose would give other results."""
+
+    @functools.wraps(fn)
+    def wrapped(params, *rest):
+        tr = _vma.active()
+        if tr is None or not tr.taint:
+            return fn(params, *rest)
+        treedef = optree.tree_structure(params)
+        per = [0] * treedef.num_leaves
+        shared = 0
+        with untracked():  # (fshard's bookkeeping, unseen by the tracking mode)
+            for x in extra:
+                if isinstance(x, torch.Tensor):
+                    shared |= _vma.get(x, tr)
+            for tree in (params, *rest):
+                shared |= _tensor_masks(tr, tree, treedef, per)
+        out = fn(params, *rest)
+        with untracked():
+            _retag(tr, out, treedef, per, shared)
+        return out
+
+    return wrapped
 
 
 def _step0(locals_) -> torch.Tensor:
@@ -121,7 +188,7 @@ def sgd(
             new_p = torch._foreach_add(p, g, alpha=-lr)
         return _join(new_p, like, treedef), new_state
 
-    return Optimizer(init, update)
+    return Optimizer(_uniform(init), _uniform(update, lr))
 
 
 def adamw(
@@ -182,7 +249,7 @@ def adamw(
             "v": _join(v, like, treedef),
         }
 
-    return Optimizer(init, update)
+    return Optimizer(_uniform(init), _uniform(update, lr))
 
 
 @torch.no_grad()
@@ -254,8 +321,8 @@ def _global_norm(grads, norm_type: float) -> torch.Tensor:
         if mesh is not None and mesh.size > 1:
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
             total = all_reduce(total, mesh.axis_group(mesh.axis_names), op)
-            if tr is not None:
-                _vma.tag(total, tr, 0)
+            if tr is not None:  # the same on every rank, also after a branch on a varying value
+                _vma.tag_result(total, tr, 0, tr.mesh.bits(mesh.axis_names))
         if inf:
             return total
         return total.sqrt() if norm_type == 2.0 else total.pow(1.0 / norm_type)

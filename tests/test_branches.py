@@ -184,7 +184,7 @@ def _rank_shapes(n, X, W, V):
         acc = x.new_zeros(())
         for i in range(x.shape[1]):  # plain
             acc = acc + x[:, i].sum()
-        wg = fs.all_gather(v, "dp", dim=0, tiled=True)  # vocab 250 cut 63, 63, 62, 62 (or 125, 125)
+        wg = fs.all_gather(v, "dp", dim=0, tiled=True)  # vocab 250 cut 63, 63, 63, 61 (or 125, 125)
         logits = x @ w @ wg.T
         got["logits"] = _kinds(logits.shape)
         got["len"] = len(x.transpose(0, 1))  # plain: the even dim

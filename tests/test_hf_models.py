@@ -51,31 +51,12 @@ CASES = {
     ],
 }
 
-# HF's mask code branches on the attention mask, `if (q_length == 1 or kv_length == q_length) and
-# fast_all(padding_mask)` (transformers/masking_utils.py), which varies over dp (padded or not):
-# the branch taints the call, and fs.value_and_grad's value and gradients, made after it, are
-# refused by the replication check (out_specs '' and '...'), although the value is a psum over dp
-# and a replicated parameter's gradient is all-reduced over dp. loss.backward() outside the call
-# is accepted on the same batches (the "backward" cases).
-_TAINT = (
-    "branch on the dp-varying attention mask in transformers' masking_utils taints the call: "
-    "fs.value_and_grad's value and gradients (collective results over dp) refused by the replication check"
-)
-XFAIL: dict[tuple, str] = {
-    ("gpt2", "fsdp", 2, 1, "vg", True, False): _TAINT,
-    ("gpt2", "fsdp", 2, 1, "vg", False, False): _TAINT,
-    ("gpt2", "fsdp", 4, 1, "vg", False, False): _TAINT,
-    ("gpt2", "fsdp", 4, 1, "vg", True, False): _TAINT,
-    ("gpt2", "tp", 2, 2, "vg", False, False): _TAINT,
-    # Uneven FSDP (the 250-row vocabulary over 4 ranks), no mask passed: a size HF compares,
-    # `batch_size != position_ids.shape[0]` (masking_utils.py), is tracked as differing between
-    # ranks although the batch is split evenly, so that branch taints the call as above.
-    ("gpt2", "fsdp", 4, 1, "vg", "nomask", False): (
-        "uneven FSDP: the batch size read from inputs_embeds.shape[0] is a tracked per-rank number; "
-        "HF's `if batch_size != position_ids.shape[0]` branch taints the call and fs.value_and_grad's "
-        "value is refused by the replication check"
-    ),
-}
+# Cases expected to fail, with the reason (strict: each must fail while listed). HF's mask code
+# branches on the dp-varying attention mask (`fast_all(padding_mask)`, transformers/masking_utils.py),
+# which taints the call; fs.value_and_grad's value (a psum over dp) and the gradients of replicated
+# parameters (each its bucket's all-reduce over dp) are the same on every rank and pass, and so does
+# the fs.optim update computed from them.
+XFAIL: dict[tuple, str] = {}
 
 
 def _id(case) -> str:
