@@ -355,7 +355,11 @@ atexit.register(_shutdown_all_worlds)
 class RankPool:
     """A persistent world of ``nprocs`` local ranks that runs functions on all ranks.
 
-    The ranks are spawned (start method ``"spawn"``) when the pool is created; each one sets
+    The ranks are started when the pool is created: on Linux they are forked from a server process
+    that imported torch once (multiprocessing's ``"forkserver"``, so a rank starts in a fraction of
+    a second), with this process's environment, ``sys.path`` and output streams, as a spawned rank
+    would have; elsewhere, or with ``FSHARD_RANK_START=spawn``, or when a variable torch reads at
+    import (``TORCH*``, ``OMP_*``, ...) changed since the server started, they are spawned. Each sets
     ``torch.set_num_threads(threads)``, joins the default process group once (backend ``gloo`` on
     CPU, ``nccl`` with GPU ``rank`` when there are at least ``nprocs`` GPUs), and then serves
     jobs. `run` sends ``fn(*args, **kwargs)`` to every rank and returns the results in rank order.
@@ -643,12 +647,12 @@ def launch(
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` freshly spawned local ranks.
 
-    Each rank is a new process (start method ``"spawn"``) that joins the default process group
-    (``gloo`` on CPU; ``nccl`` with one GPU per rank when CUDA has ``>= nprocs`` devices), runs
+    Each rank is a new process (started as `RankPool` starts its ranks) that joins the default
+    process group (``gloo`` on CPU; ``nccl`` with one GPU per rank when CUDA has ``>= nprocs`` devices), runs
     ``fn``, and destroys the group. This is a one-shot `RankPool` (one thread per rank), so
     the same rules apply: ``fn`` must be a module-level function, and arguments and results must
     pickle. If the caller is a script, guard its entry point with ``if __name__ == "__main__":``
-    because spawned ranks re-import the main module.
+    because new ranks re-import the main module.
 
     ``timeout`` bounds the call end to end: the ranks' process groups get a slightly longer
     timeout (``timeout`` + 10 s), so a collective may legitimately wait for a slow peer as long
