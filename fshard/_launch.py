@@ -38,7 +38,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from . import _debug, _watchdog
 from ._env import (
     EXIT_RELEASE_TIMEOUT,
     HOST,
@@ -85,6 +84,8 @@ def _error_message(exc: BaseException) -> tuple:
 def _reread_environment() -> None:
     """Settings fshard reads from the environment when it is imported, read again (a forked rank
     imported fshard with the fork server's environment, before it took its owner's)."""
+    from . import _debug, _watchdog  # not at the top: fs.init comes from here, and these import torch
+
     fresh = _watchdog._State()
     _watchdog.S.check, _watchdog.S.tags, _watchdog.S.gather_tags = fresh.check, fresh.tags, fresh.gather_tags
     _debug.enabled = fresh.check
