@@ -37,6 +37,7 @@ from ._scalars import (
     _unwrap,
     _varying_axes_text,
     _varying_scalar,
+    check_traced_number,
     compiled_branch,
     differentiating,
     hidden_bits,
@@ -524,9 +525,12 @@ def _self_bits(tr: Trace, args) -> int:
 
 
 def _to_python(func, tr: Trace, args, kwargs):
-    """``t.item()``, ``t.tolist()``: Python numbers that keep the mask."""
+    """``t.item()``, ``t.tolist()``: Python numbers that keep the mask (compiled: only those each
+    rank's graph holds as constants, `check_traced_number`)."""
     out = func(*args, **kwargs)
     bits = _self_bits(tr, args) | tr.taint
+    if bits and tr.compiled:
+        check_traced_number(tr, bits, func.__name__, out)
     return _mark(out, tr.id, bits) if bits else out
 
 
