@@ -783,18 +783,16 @@ def _random(func, tr: Trace, args, kwargs):
     return out
 
 
+def _as_is(func, tr: Trace, args, kwargs):
+    """An op whose body the tracking follows itself (``fs.remat``'s checkpoint region under compile,
+    `_remat._compiled`): run as is, its operands not cast (the cast of an invariant input that
+    needs a gradient, beside a weight that varies, summed its whole gradient over the ranks)."""
+    return func(*args, **kwargs)
+
+
 _HANDLERS = {
-    f.__name__: f
-    for f in (
-        _autograd_grad,
-        _view_attr,
-        _refuse_varying,
-        _to_python,
-        _iterate,
-        _shapes._shape,
-        _shapes._length,
-        _data_dependent,
-        _random,
-        _foreach,
-    )
+    f.__name__: f for f in (_autograd_grad, _view_attr, _refuse_varying, _to_python, _iterate, _as_is)
 }
+_HANDLERS.update(
+    {f.__name__: f for f in (_shapes._shape, _shapes._length, _data_dependent, _random, _foreach)}
+)
