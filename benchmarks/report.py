@@ -727,15 +727,42 @@ def kept_sections(md: str) -> str:
     return "".join(m.group(0).rstrip("\n") + "\n\n" for m in _KEPT.finditer(md))
 
 
+HISTORY_NOTE = (
+    "Earlier runs, the sections other scripts wrote (`benchmarks/compiled.py`, `restarts.py`, ...) and "
+    "one-off measurements: [HISTORY.md](HISTORY.md), newest first."
+)
+
+
 def write(results: dict[str, Any], md_path: Path, png_path: Path) -> str:
+    """Write today's report to ``md_path`` (and the plot). The sections that other scripts or a person
+    added to the previous report (between ``<!-- name: begin/end -->`` markers) belonged to an older
+    run: they move to the top of ``HISTORY.md`` beside it, under the date and commit of that run."""
     has_plot = plot(results, Path(png_path))
     md = markdown(results, Path(png_path).name if has_plot else None)
+    md = md.replace("\n\n", f"\n\n{HISTORY_NOTE}\n\n", 1)
     old = Path(md_path).read_text() if Path(md_path).exists() else ""
     kept = kept_sections(old)
-    if kept:
-        md = md.rstrip("\n") + "\n\n" + kept.rstrip("\n") + "\n"
+    if kept and not results.get("smoke"):
+        history = Path(md_path).with_name("HISTORY.md")
+        text = history.read_text() if history.exists() else HISTORY_HEAD
+        when = re.search(r"^- Date: ([^;\n]*)", old, re.M)
+        commit = re.search(r"^- fshard at commit (\S+)", old, re.M)
+        head = f"## Added to the report of {when.group(1) if when else 'an earlier run'}"
+        head += f" (commit {commit.group(1)})" if commit else ""
+        body = kept.replace("\n## ", "\n### ").replace("<!-- ", "<!-- old ")
+        text = text.replace(HISTORY_MARK, f"{HISTORY_MARK}\n{head}\n\n{body.rstrip()}\n", 1)
+        history.write_text(text)
     Path(md_path).write_text(md)
     return md
+
+
+HISTORY_MARK = "<!-- newest first: below this line -->"
+HISTORY_HEAD = f"""# fshard benchmark history
+
+What `benchmarks/RESULTS.md` no longer shows: sections of earlier reports, newest first.
+
+{HISTORY_MARK}
+"""
 
 
 if __name__ == "__main__":

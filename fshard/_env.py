@@ -5,7 +5,7 @@ Written once here and shared by `fs.init`, the rank pool (``fshard._launch``) an
 
 * `torchrun_env`: the variables ``torchrun`` gives a rank on one machine;
 * `describe_exit` / `exit_status`: how a rank's exit code is reported and passed on;
-* `is_comm_error`: whether an exception is a consequence of another rank failing;
+* `is_comm_error` (from `_errors`): whether an exception is a consequence of another rank failing;
 * `init` and its exit hooks: a rank that raises exits at once (and leaves an error file in
   torchrun's format for its launcher) instead of waiting for its peers at exit.
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from ._errors import FshardError
+from ._errors import FshardError, is_comm_error
 
 HOST = "127.0.0.1"
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -116,38 +116,6 @@ def exit_status(code: int) -> int:
 
 # --------------------------------------------------------------------------------------------------
 # failures caused by another rank
-
-# gloo raises plain RuntimeErrors; these texts mark a failure caused by another rank.
-_COMM_ERROR_MARKERS = (
-    "gloo/transport/",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "pair closure",  # "Application timeout caused pair closure": a peer's timeout closed this pair
-    "Broken pipe",
-    "Socket Timeout",
-    "Timed out waiting",
-)
-
-
-def is_comm_error(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) looks like a consequence of another
-    rank failing, rather than a root cause."""
-    current: BaseException | None = exc
-    seen = 0
-    while current is not None and seen < 10:
-        try:
-            import torch.distributed as dist
-
-            if isinstance(current, dist.DistError):
-                return True
-        except Exception:  # pragma: no cover
-            pass
-        text = str(current)
-        if any(marker in text for marker in _COMM_ERROR_MARKERS):
-            return True
-        current = current.__cause__ or current.__context__
-        seen += 1
-    return False
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
@@ -279,27 +247,6 @@ def init_process_group(
     dist.init_process_group(backend, **kwargs)
     if timeout is not None and timeout < RENDEZVOUS_TIMEOUT:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))
-
-
-def collective_timeout() -> timedelta | None:
-    """The timeout of the default process group (whoever made it), or None when unknown.
-
-    fshard gives every group it creates this timeout, so that ``fs.init(timeout=...)`` (or the
-    ``timeout`` of ``torch.distributed.init_process_group``) bounds collectives on mesh axes too.
-    """
-    try:
-        import torch
-        import torch.distributed as dist
-
-        pg = dist.distributed_c10d._get_default_group()
-        for device in (torch.device("cpu"), torch.device("cuda")):
-            if device in pg._device_types:
-                timeout = pg._get_backend(device).options._timeout
-                if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
-                    return timeout
-    except Exception:
-        pass
-    return None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -95,3 +95,31 @@ def did_you_mean(name: str, choices) -> str:
 def report(head: str, problems) -> str:
     """The one shape of a multi-problem message: ``head:`` then one ``  - problem`` line each."""
     return head + ":\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+# gloo raises plain RuntimeErrors; these texts mark a failure caused by another rank.
+_COMM_ERROR_MARKERS = (
+    "gloo/transport/",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "pair closure",  # "Application timeout caused pair closure": a peer's timeout closed this pair
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) looks like a consequence of another
+    rank failing, rather than a root cause."""
+    current: BaseException | None = exc
+    seen = 0
+    while current is not None and seen < 10:
+        if any(c.__name__ == "DistError" for c in type(current).__mro__):  # torch.distributed.DistError
+            return True
+        text = str(current)
+        if any(marker in text for marker in _COMM_ERROR_MARKERS):
+            return True
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return False

@@ -23,11 +23,13 @@ import faulthandler
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.reduction as mp_reduction
 import multiprocessing.util  # noqa: F401  (imported before our atexit hook so ours runs first)
 import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -79,6 +81,16 @@ def _error_message(exc: BaseException) -> tuple:
     return ("err", summary, traceback.format_exc(), is_comm_error(exc))
 
 
+def _reread_environment() -> None:
+    """Settings fshard reads from the environment when it is imported, read again (a forked rank
+    imported fshard with the fork server's environment, before it took its owner's)."""
+    from . import _debug, _watchdog  # not at the top: fs.init comes from here, and these import torch
+
+    fresh = _watchdog._State()
+    _watchdog.S.check, _watchdog.S.tags, _watchdog.S.gather_tags = fresh.check, fresh.tags, fresh.gather_tags
+    _debug.enabled = fresh.check
+
+
 def _run_job(data: bytes) -> bytes:
     """Unpickle ``(fn, args, kwargs)``, call it, and return the pickled reply."""
     try:
@@ -97,7 +109,15 @@ def _run_job(data: bytes) -> bytes:
 def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
     """Body of one pool rank: init the process group, then run jobs until told to stop."""
     global _stack_file
-    watch_parent(cfg["ppid"], None, code=70)  # the pool's owner is gone: end without a word
+    if "env" in cfg:  # forked from the fork server: its parent is the server, which ends with the owner
+        os.environ.clear()
+        os.environ.update(cfg["env"])
+        _reread_environment()
+        for ours, fd in zip(cfg["stdio"], (1, 2)):
+            if ours is not None:
+                os.dup2(ours, fd)
+                os.close(ours)
+    watch_parent(os.getppid() if "env" in cfg else cfg["ppid"], None, code=70)  # the pool's owner is gone
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
     try:
         _stack_file = open(os.path.join(cfg["stack_dir"], f"rank{rank}.txt"), "w")  # noqa: SIM115
@@ -159,6 +179,57 @@ def _worker_main(rank: int, cfg: dict, conn: mp_connection.Connection) -> None:
 
 _LIVE_WORLDS: weakref.WeakSet[_World] = weakref.WeakSet()
 
+# Environment variables read when torch is imported (or that change how it loads): a fork server
+# whose environment differs from ours in one of these cannot start our ranks.
+_IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_", "PYTHON", "NCCL", "GLOO")
+
+
+class _ForkServer:
+    """Ranks forked from a server process that has imported torch once: a rank starts in a fraction
+    of a second instead of paying ``import torch`` (seconds on a busy machine) each time."""
+
+    env: dict[str, str] | None = None  # our environment when the server started (it keeps it)
+
+
+class _OurFd:
+    """One of our file descriptors, as the forked rank's copy of it (sent through the fork server)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        try:
+            os.fstat(self.fd)
+        except OSError:  # closed here: the rank keeps the server's
+            return (_no_fd, ())
+        return (_detach, (mp_reduction.DupFd(self.fd),))
+
+
+def _no_fd() -> None:
+    return None
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _import_env(env) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)}
+
+
+def _context():
+    """The multiprocessing context that starts ranks: the fork server where there is one and it
+    can (``FSHARD_RANK_START=spawn`` turns it off), else ``spawn``."""
+    if os.environ.get("FSHARD_RANK_START", "forkserver") == "spawn" or not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    if _ForkServer.env is None:
+        _ForkServer.env = _import_env(os.environ)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    elif _ForkServer.env != _import_env(os.environ):
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
+
 
 class _Failure:
     __slots__ = ("rank", "what", "traceback", "secondary", "seq")
@@ -191,7 +262,10 @@ class _World:
             ppid=os.getpid(),
             stack_dir=self.stack_dir,
         )
-        ctx = mp.get_context("spawn")
+        ctx = _context()
+        if ctx.get_start_method() != "spawn":  # a forked rank has the fork server's environment and
+            cfg["env"] = dict(os.environ)  # output streams: it takes ours, as a spawned rank would
+            cfg["stdio"] = (_OurFd(1), _OurFd(2))
         _LIVE_WORLDS.add(self)
         try:
             for rank in range(nprocs):
@@ -282,7 +356,11 @@ atexit.register(_shutdown_all_worlds)
 class RankPool:
     """A persistent world of ``nprocs`` local ranks that runs functions on all ranks.
 
-    The ranks are spawned (start method ``"spawn"``) when the pool is created; each one sets
+    The ranks are started when the pool is created: on Linux they are forked from a server process
+    that imported torch once (multiprocessing's ``"forkserver"``, so a rank starts in a fraction of
+    a second), with this process's environment, ``sys.path`` and output streams, as a spawned rank
+    would have; elsewhere, or with ``FSHARD_RANK_START=spawn``, or when a variable torch reads at
+    import (``TORCH*``, ``OMP_*``, ...) changed since the server started, they are spawned. Each sets
     ``torch.set_num_threads(threads)``, joins the default process group once (backend ``gloo`` on
     CPU, ``nccl`` with GPU ``rank`` when there are at least ``nprocs`` GPUs), and then serves
     jobs. `run` sends ``fn(*args, **kwargs)`` to every rank and returns the results in rank order.
@@ -570,12 +648,12 @@ def launch(
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` freshly spawned local ranks.
 
-    Each rank is a new process (start method ``"spawn"``) that joins the default process group
-    (``gloo`` on CPU; ``nccl`` with one GPU per rank when CUDA has ``>= nprocs`` devices), runs
+    Each rank is a new process (started as `RankPool` starts its ranks) that joins the default
+    process group (``gloo`` on CPU; ``nccl`` with one GPU per rank when CUDA has ``>= nprocs`` devices), runs
     ``fn``, and destroys the group. This is a one-shot `RankPool` (one thread per rank), so
     the same rules apply: ``fn`` must be a module-level function, and arguments and results must
     pickle. If the caller is a script, guard its entry point with ``if __name__ == "__main__":``
-    because spawned ranks re-import the main module.
+    because new ranks re-import the main module.
 
     ``timeout`` bounds the call end to end: the ranks' process groups get a slightly longer
     timeout (``timeout`` + 10 s), so a collective may legitimately wait for a slow peer as long

@@ -18,9 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._env import collective_timeout, hold_groups
+from ._env import hold_groups
 from ._errors import CollectiveError, MeshError, did_you_mean
 from ._spec import is_valid_name
+from ._watchdog import collective_timeout
 
 __all__ = ["Mesh"]
 

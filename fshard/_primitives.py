@@ -40,7 +40,8 @@ backward splits the cotangent). A rule, and a backward, that may itself be diffe
 reverse pass over a tangent: ``jacrev(jacfwd(f))``; a double backward) applies Functions, never
 bare communication, views or slices, so that the outer pass finds each step's transpose. ``vmap``, the batching rule: the batch dim moves to
 the front, the collective's ``dim`` (``split_dim``, ``concat_dim``) shifts past it, and one
-collective moves the whole batch. So ``vmap``, ``jvp``, ``jacrev``, ``jacfwd`` and ``hessian``
+collective moves the whole batch (in a call with uneven blocks, once the ranks agree on its size:
+`same_batch`). So ``vmap``, ``jvp``, ``jacrev``, ``jacfwd`` and ``hessian``
 compose with shard_map, of it and inside it.
 """
 
@@ -70,7 +71,9 @@ from ._blocks import (
     unpack_gathered,
 )
 from ._comm import untracked
+from ._errors import CollectiveError
 from ._mesh import AxisGroup
+from ._scalars import _stack as _traces
 
 __all__ = [
     "apply",
@@ -107,6 +110,7 @@ __all__ = [
 
 _FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 _functorch_active = torch._C._are_functorch_transforms_active
+_functorch_level = torch._C._functorch.maybe_current_level
 _compiling = torch.compiler.is_compiling
 
 
@@ -148,6 +152,78 @@ def _psum_values(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     if _functorch_active():
         return apply(AllReduce, x, g)
     return _comm.all_reduce(x, g)
+
+
+# what a batched collective is, for its error (`same_batch`): the Function's communication, by the
+# public functions (and the rules) that apply it
+_REDUCE = "all_reduce (fs.psum, fs.pmean, fs.pmax, fs.pmin, or a gradient's sum over the ranks)"
+_GATHER = "all_gather (fs.all_gather, or the gradient of fs.psum_scatter)"
+_SCATTER = "reduce_scatter (fs.psum_scatter, or the gradient of fs.all_gather)"
+_MOVES = {
+    "AllReduce": _REDUCE,
+    "AllReduceCoalesced": _REDUCE,
+    "Extremum": _REDUCE,
+    "AllGather": _GATHER,
+    "AllGatherInvariant": _GATHER,
+    "AllGatherCoalesced": _GATHER,
+    "ReduceScatter": _SCATTER,
+    "ReduceScatterCoalesced": _SCATTER,
+    "AllToAll": "all_to_all (fs.all_to_all)",
+    "PPermute": "ppermute (fs.ppermute)",
+    "Broadcast": "broadcast (fs.pbroadcast)",
+}
+
+
+def same_batch(info, g: AxisGroup, cls, device) -> None:
+    """A batching rule's check, in a call with uneven blocks: the vmap batch (``info.batch_size``) has
+    the same size at every index of ``g``, or the same CollectiveError is raised on every rank.
+
+    One collective moves the whole batch, element ``i`` of every rank together, so the batch must
+    agree as the operands' shapes do. The public collectives compare those (`_comm.gather_shapes`),
+    but under the batching wrapper they see one element's shape, and the batch of a tangent
+    (``jacfwd`` with respect to a split input) or of a cotangent (``jacrev`` of a split output) is
+    not on the operand at all: only the rule sees it. A batch made from a split dim differs where
+    the blocks do; sent as it is, the collective ends gloo (sizes that differ) or waits forever.
+
+    The sizes travel over ``g``'s axes and every other axis along which the call's ranks run the
+    same code (not those of a branch on a varying value, `_scalars.taint`, nor of a running
+    `fs.switch` index): a rank whose own group agrees still raises when another group of the same
+    collective does not, instead of waiting for that group's ranks in its next collective. Even
+    calls skip the check (their batches come from shapes that agree), and so does a vmap entered
+    outside ``f``; the others pay one small all-gather per batched collective."""
+    tr = _traces[-1] if _traces else None
+    if g.size == 1 or tr is None or not tr.uneven:
+        return
+    below = _functorch_level()  # the level under this rule's vmap (the rule runs with it popped)
+    if tr.level is not None and (below is None or below < tr.level):
+        return  # a vmap entered outside f: its batch came from global values, the same everywhere
+    mesh, apart = tr.mesh, tr.mesh.names_of(tr.taint | tr.branch)
+    wide = tuple(a for a in mesh.axis_names if a in g.names or a not in apart)
+    others = [a for a in wide if a not in g.names]  # which group of g a rank is in
+    mine = [info.batch_size, g.index, *(mesh.coordinate[a] for a in others)]
+    with untracked():
+        rows = _comm.all_gather_blocks(torch.tensor(mine, device=device), mesh.axis_group(wide)).tolist()
+    groups: dict = {}
+    for n, i, *at in rows:
+        groups.setdefault(tuple(at), {})[i] = n
+    bad = next(((at, sizes) for at, sizes in groups.items() if len(set(sizes.values())) > 1), None)
+    if bad is None:
+        return
+    ax = " ".join(g.names)
+    where = ", ".join(f"{a}={c}" for a, c in zip(others, bad[0]))
+    held = ("where " + where + ": " if where else "") + "; ".join(
+        f"index {i}: {n}" for i, n in sorted(bad[1].items())
+    )
+    raise CollectiveError(
+        f"{_MOVES[cls.__name__]} over {ax} under torch.func.vmap: the batch has a different size on different "
+        f"ranks of {ax} ({held}), because an input of this call is split unevenly (torch.chunk's blocks) and "
+        f"the batch was made from a split dim: vmap over it, jacfwd or hessian with respect to a split input, "
+        f"or jacrev of a split output (their batch is that input's or output's size). One collective moves "
+        f"the whole batch, element i of every rank together, so every rank of {ax} must map as many. vmap "
+        f"over a dim that is not split unevenly; differentiate with respect to a split input by jacrev or "
+        f"grad of a replicated (e.g. psum'd) result; or apply the transform from outside, to the shard_map'd "
+        f"function (torch.func.jacfwd(fs.shard_map(f, ...)) is the global function's Jacobian)"
+    )
 
 
 def invariant_slice(ct: torch.Tensor, g: AxisGroup, dim: int, tiled) -> torch.Tensor:
@@ -236,6 +312,7 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, g):  # elementwise: one all-reduce of the whole batch
+        same_batch(info, g, AllReduce, x.device)
         return apply(AllReduce, x, g), in_dims[0]
 
 
@@ -264,6 +341,7 @@ class AllGather(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, x, g, dim, tiled):  # the batch dim first, ``dim`` after it
+        same_batch(info, g, AllGather, x.device)
         return apply(AllGather, _front(x, in_dims[0]), g, dim + 1, tiled), 0
 
 
@@ -292,6 +370,7 @@ class AllGatherInvariant(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, x, g, dim, tiled):  # the batch dim first, ``dim`` after it
+        same_batch(info, g, AllGatherInvariant, x.device)
         return apply(AllGatherInvariant, _front(x, in_dims[0]), g, dim + 1, tiled), 0
 
 
@@ -348,6 +427,7 @@ class ReduceScatter(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, x, g, dim, tiled):  # the batch dim first, ``dim`` after it
+        same_batch(info, g, ReduceScatter, x.device)
         return apply(ReduceScatter, _front(x, in_dims[0]), g, dim + 1, tiled), 0
 
 
@@ -377,6 +457,7 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, x, g, split_dim, concat_dim):
+        same_batch(info, g, AllToAll, x.device)
         return apply(AllToAll, _front(x, in_dims[0]), g, split_dim + 1, concat_dim + 1), 0
 
 
@@ -406,6 +487,7 @@ class PPermute(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, x, g, perm):
+        same_batch(info, g, PPermute, x.device)
         return apply(PPermute, x, g, perm), in_dims[0]
 
 
@@ -437,6 +519,7 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, x, g, src):
+        same_batch(info, g, Broadcast, x.device)
         return apply(Broadcast, x, g, src), in_dims[0]
 
 
@@ -474,6 +557,7 @@ class Extremum(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, x, g, op):
+        same_batch(info, g, Extremum, x.device)
         return apply(Extremum, x, g, op), in_dims[0]
 
 
@@ -513,6 +597,7 @@ class AllReduceCoalesced(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, g, *xs):  # batched and unbatched operands in one all-reduce
+        same_batch(info, g, AllReduceCoalesced, xs[0].device)
         return apply(AllReduceCoalesced, g, *xs), tuple(in_dims[1:])
 
 
@@ -555,6 +640,7 @@ class AllGatherCoalesced(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, g, dims, tiled, invariant, *xs):
+        same_batch(info, g, AllGatherCoalesced, xs[0].device)
         bdims = in_dims[4:]
         xs, dims = _coalesced_front(xs, dims, bdims)
         return apply(AllGatherCoalesced, g, dims, tiled, invariant, *xs), _coalesced_out(bdims)
@@ -589,6 +675,7 @@ class ReduceScatterCoalesced(torch.autograd.Function):
     @staticmethod
     @_untracked
     def vmap(info, in_dims, g, dims, tiled, *xs):
+        same_batch(info, g, ReduceScatterCoalesced, xs[0].device)
         bdims = in_dims[3:]
         xs, dims = _coalesced_front(xs, dims, bdims)
         return apply(ReduceScatterCoalesced, g, dims, tiled, *xs), _coalesced_out(bdims)

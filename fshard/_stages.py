@@ -523,11 +523,15 @@ def switch(index, branches, *operands):
         operands = optree.tree_unflatten(treedef, flat)
     uneven, ragged = tr.uneven, tr.ragged  # a data-dependent shape in one branch is known to its ranks only
     allowed = union if typed is None else -1  # (typed by the branches: their traces saw every tensor)
-    with _BranchGuard(tr, bits, allowed, i), _watchdog.anonymous_sites():  # branches differ by rank
-        out = branches[i](*operands)
-        # the collectives the branch queued (fshard/_combine.py) run now, inside it (as every rank's
-        # branch issued them, without call sites), and its results are filled before they leave it
-        _vma.current("switch")
+    outer, tr.branch = tr.branch, tr.branch | bits
+    try:
+        with _BranchGuard(tr, bits, allowed, i), _watchdog.anonymous_sites():  # branches differ by rank
+            out = branches[i](*operands)
+            # the collectives the branch queued (fshard/_combine.py) run now, inside it (as every rank's
+            # branch issued them, without call sites), and its results are filled before they leave it
+            _vma.current("switch")
+    finally:
+        tr.branch = outer
     tr.uneven, tr.ragged = uneven, ragged
     tr.shapes_differ = True  # the branches' results may differ in shape from one index to the next
     leaves, otreedef = optree.tree_flatten(out)

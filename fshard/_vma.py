@@ -87,6 +87,8 @@ class Trace:
         "taint",
         "taint_why",
         "fresh",
+        "branch",
+        "level",
     )
 
     def __init__(self, mesh: Mesh, where: str):
@@ -106,18 +108,15 @@ class Trace:
         # id(input) -> key path, for inputs cast outside the gradient buckets (PvaryInput), or None
         self.inputs: dict | None = None
         self.bucket_mb = 0.0  # the shard_map's bucket size (for value_and_grad inside f)
-        # some input has uneven blocks: collectives first check that their operands agree in shape
-        self.uneven = False
+        self.uneven = False  # some input has uneven blocks: collectives first compare their operands' shapes
         # a varying operand met an op whose output shape depends on the data (x[mask], nonzero,
         # unique, ...): the outputs' global shapes are found from their gathered block shapes
         self.ragged = False
         # a value's shape may differ between ranks beyond uneven and ragged blocks: fs.PerRank values
         # (each rank's own tree) and the results of fs.switch on a varying index (_stages)
         self.shapes_differ = False
-        # collectives issued and not yet run (`_combine.Queue`): flushed by the next torch op
-        self.queue = None
-        # flushed collectives whose results are not filled yet (`_combine.Flight`)
-        self.pending = None
+        self.queue = None  # collectives issued and not yet run (`_combine.Queue`): flushed by the next op
+        self.pending = None  # flushed collectives whose results are not filled yet (`_combine.Flight`)
         # the axes a value that left tracking varied over (a Python branch on it, `_scalars.taint`):
         # every value made afterwards varies over them; what did it, for the replication check
         self.taint = 0
@@ -125,6 +124,10 @@ class Trace:
         # id(collective result made after the latest taint) -> (weak ref, the axes it is the same
         # over on every rank whatever branches the ranks took)
         self.fresh: dict = {}
+        # the axes of the fs.switch indices whose branch is running (ranks along them run other code),
+        # and torch.func's depth at the call (a deeper transform was entered in f: `same_batch`)
+        self.branch = 0
+        self.level = None if self.compiled else torch._C._functorch.maybe_current_level()
 
     def __enter__(self) -> Trace:
         _stack.append(self)
@@ -784,9 +787,8 @@ def _random(func, tr: Trace, args, kwargs):
 
 
 def _as_is(func, tr: Trace, args, kwargs):
-    """An op whose body the tracking follows itself (``fs.remat``'s checkpoint region under compile,
-    `_remat._compiled`): run as is, its operands not cast (the cast of an invariant input that
-    needs a gradient, beside a weight that varies, summed its whole gradient over the ranks)."""
+    """An op whose body the tracking follows itself (``fs.remat``'s region compiled, `_remat._compiled`):
+    run as is (a cast of an invariant input beside a varying weight summed its gradient over the ranks)."""
     return func(*args, **kwargs)
 
 

@@ -32,13 +32,13 @@ import sys
 import threading
 import time
 import zlib
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._env import collective_timeout, is_comm_error
-from ._errors import CollectiveError
+from ._errors import CollectiveError, is_comm_error
 
 _F = torch.ops._c10d_functional
 # _comm.untracked, spelled here because _comm imports this module (the import graph stays acyclic)
@@ -441,6 +441,24 @@ def timed_out(exc: BaseException, rec: tuple | None) -> CollectiveError | None:
     # read by the exit hook (fshard._env.write_error_file): the launcher names these ranks
     err.fshard_blame = (missing, text)  # type: ignore[attr-defined]
     return err
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout of the default process group (whoever made it), or None when unknown.
+
+    fshard gives every group it creates this timeout, so that ``fs.init(timeout=...)`` (or the
+    ``timeout`` of ``torch.distributed.init_process_group``) bounds collectives on mesh axes too.
+    """
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            if device in pg._device_types:
+                timeout = pg._get_backend(device).options._timeout
+                if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+                    return timeout
+    except Exception:
+        pass
+    return None
 
 
 def _closed_by_a_timeout(exc: BaseException, waited: float) -> bool:

@@ -271,15 +271,21 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
     received: list[int] = []
     old_handlers: dict[int, object] = {}
 
+    passed_on: list[int] = []  # how many ranks the first signal was passed on to
+
     def forward(signum: int, frame: object) -> None:
         received.append(signum)
         sig: int = signum if len(received) == 1 else signal.SIGKILL
+        sent = 0
         for proc in procs:
             if proc.poll() is None:
                 try:
                     proc.send_signal(sig)
+                    sent += 1
                 except OSError:
                     pass
+        if len(received) == 1:
+            passed_on.append(sent)
 
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -293,6 +299,7 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
             procs.append(subprocess.Popen(cmd, **kwargs))
             if received:  # a signal arrived while starting: forward it to the late ones too
                 procs[-1].send_signal(received[0])
+                passed_on[0] += 1
         if opts.prefix:
             lock = threading.Lock()
             for rank, proc in enumerate(procs):
@@ -311,12 +318,10 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
         kill_at: float | None = None
         while True:
             codes = [proc.poll() for proc in procs]
-            if all(code is not None for code in codes):
-                break
             now = time.monotonic()
-            if received and kill_at is None:
+            if received and kill_at is None:  # (said even when every rank has ended since)
                 kill_at = now + _KILL_AFTER_SIGNAL
-                alive = sum(code is None for code in codes)
+                alive = passed_on[0] if passed_on else sum(code is None for code in codes)
                 print(
                     f"fshard.run: {signal.Signals(received[0]).name}: passed on to the {alive} running "
                     f"rank(s); those still running in {_KILL_AFTER_SIGNAL:g} s will be killed (a second "
@@ -324,6 +329,8 @@ def _attempt(opts: argparse.Namespace, cmd: list[str], run_id: str, attempt: int
                     file=sys.stderr,
                     flush=True,
                 )
+            if all(code is not None for code in codes):
+                break
             verdict = None
             if blamed is None and not received and any(code not in (None, 0) for code in codes):
                 if first_failure is None:

@@ -344,3 +344,70 @@ def test_the_launcher_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# --- how ranks start: a fork server that imported torch once, or spawn ----------------------------
+
+
+def _what_a_rank_sees():
+    import torch.distributed as dist
+
+    from fshard import _debug, _watchdog
+
+    print(f"out of rank {dist.get_rank()}", flush=True)
+    print(f"err of rank {dist.get_rank()}", file=sys.stderr, flush=True)
+    return {
+        "var": os.environ.get("FSHARD_TEST_VAR"),
+        "debug": _debug.enabled,
+        "tags": (_watchdog.S.tags, _watchdog.S.gather_tags),
+        "sum": _rank_and_sum()[2],
+    }
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is used on Linux only")
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_take_the_owners_environment_and_output_however_they_start(start, monkeypatch, capfd):
+    # A forked rank has the fork server's environment and output streams; it must behave as a
+    # spawned one: its owner's variables (set after the server started, and read by fshard when it
+    # is imported) and its owner's stdout/stderr at the time the pool starts.
+    from fshard import _launch
+
+    with RankPool(2) as pool:  # the fork server exists from here on (in forkserver mode)
+        pool.run(_rank_and_sum)
+    monkeypatch.setenv("FSHARD_RANK_START", start)
+    monkeypatch.setenv("FSHARD_TEST_VAR", "set-after-the-server-started")
+    monkeypatch.setenv("FSHARD_DEBUG", "1")
+    monkeypatch.setenv("FSHARD_DESYNC_TAGS", "all")
+    assert _launch._context().get_start_method() == start
+    with RankPool(2) as pool:
+        seen = pool.run(_what_a_rank_sees)
+    for got in seen:
+        assert got["var"] == "set-after-the-server-started"
+        assert got["debug"] is True
+        assert got["tags"] == (True, True)
+        assert got["sum"] == 3.0
+    out, err = capfd.readouterr()
+    assert sorted(line for line in out.splitlines() if line.startswith("out of rank")) == [
+        "out of rank 0",
+        "out of rank 1",
+    ]
+    assert sorted(line for line in err.splitlines() if line.startswith("err of rank")) == [
+        "err of rank 0",
+        "err of rank 1",
+    ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is used on Linux only")
+def test_a_changed_torch_variable_makes_ranks_spawn(monkeypatch):
+    # torch reads some variables when it is imported: the fork server imported it with the values
+    # it started with, so once one of them changes, ranks are spawned instead.
+    from fshard import _launch
+
+    monkeypatch.delenv("FSHARD_RANK_START", raising=False)
+    with RankPool(1) as pool:
+        pool.run(_rank_and_sum)
+    assert _launch._context().get_start_method() == "forkserver"
+    monkeypatch.setenv(
+        "TORCH_SHOW_CPP_STACKTRACES", "1" if os.environ.get("TORCH_SHOW_CPP_STACKTRACES") != "1" else "0"
+    )
+    assert _launch._context().get_start_method() == "spawn"

@@ -20,11 +20,18 @@ computed by plain torch in one process; inside ``f`` the nestings of ``grad``, `
 go wrong (`AROUND`, `INSIDE_KEY`, the ones through torch.autograd); a few run all of them (a full
 table for every program is too slow for CI). 1-axis meshes of 2 and 4 ranks, a 2-axis mesh of 4 and
 a 3-axis mesh of 8.
+
+With uneven blocks, the transforms inside ``f`` that map over a batch (``vmap``, ``jacfwd``,
+``jacrev``, ``hessian``, nested two deep) have a table of their own (one job per world size): a
+batch the same on every rank must give the global function's result, a batch made from the split
+dim the same CollectiveError on every rank (it ended gloo: ``jacfwd`` by a split input sent each
+rank's own number of basis vectors in one collective).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -378,3 +385,200 @@ def test_nested_derivatives_match_one_process(n, full):
 @pytest.mark.timeout(900)
 def test_nested_derivatives_on_a_three_axis_mesh_match_one_process():
     assert_ok(run_ranks(8, _rank, 8, (), False, timeout=900))
+
+
+# -- inside f, uneven blocks: transforms that map over a batch -----------------------------------
+#
+# vmap, jacfwd, jacrev and hessian inside f map their function over a batch, and one collective moves
+# the whole batch. With x's rows cut unevenly, a batch made from what the cut leaves alone (a batch
+# dim of x or of w, the basis of the replicated w, the one element of a replicated result's
+# cotangent) agrees over the ranks: those nestings must equal the same nesting of the global
+# function. A batch made from a split dim (vmap over the rows, jacfwd or hessian by x, jacrev of an
+# x-shaped output) has each rank's own size: no collective can pair its elements, and every rank
+# raises the same CollectiveError before any of it is sent (it ended gloo, or waited forever).
+
+NB = 3  # the size of a batch dim of x or w
+
+
+def _uneven_programs():
+    """`_programs` whose blocks may be uneven, with all_to_all of a value that does not keep the
+    split dim (its exchange of ``sin(x * w)`` needs even blocks; a permutation keeps the sum)."""
+    import fshard as fs
+
+    progs = {k: v for k, v in _programs().items() if not ({"even", "w split"} & set(v[2:]))}
+    progs["all_to_all"] = (
+        lambda x, w, A: fs.psum((fs.all_to_all(_a(x, w)[:, None] * w, A, 1, 0) ** 3).sum(), A),
+        lambda x, w, S: sum(((_a(b, w)[:, None] * w) ** 3).sum() for b in _blocks(x, S)),
+    )
+    return progs
+
+
+# name -> (the transform of a loss L(x, w), the input given a leading batch dim, the result's layout:
+# "" replicated, "x" as x, "x b" as x with a batch dim first, "x e" as x with one more dim last)
+BATCH_AGREES = {
+    "vmap over a batch of x": (lambda L: tf.vmap(L, (0, None)), "x", ""),
+    "vmap over a batch of w": (lambda L: tf.vmap(L, (None, 0)), "w", ""),
+    "jacfwd by w": (lambda L: tf.jacfwd(L, 1), "", ""),
+    "jacrev by w": (lambda L: tf.jacrev(L, 1), "", ""),
+    "hessian by w": (lambda L: tf.hessian(L, 1), "", ""),
+    "jacrev(jacfwd) by w": (lambda L: tf.jacrev(tf.jacfwd(L, 1), 1), "", ""),
+    "jacrev by x": (lambda L: tf.jacrev(L, 0), "", "x"),
+    "jacfwd by w of jacrev by x": (lambda L: tf.jacfwd(tf.jacrev(L, 0), 1), "", "x e"),
+    "jacfwd by w of an x-shaped result": (lambda L: tf.jacfwd(lambda x, w: x * L(x, w), 1), "", "x e"),
+    "vmap(grad by x)": (lambda L: tf.vmap(tf.grad(L, 0), (0, None)), "x", "x b"),
+    "vmap(jacfwd by w)": (lambda L: tf.vmap(tf.jacfwd(L, 1), (0, None)), "x", ""),
+    "jacfwd(vmap) by w": (lambda L: tf.jacfwd(tf.vmap(L, (None, 0)), 1), "w", ""),
+}
+
+# name -> (the transform, its batch on a rank holding a block of r rows and d columns)
+BATCH_SPLIT = {
+    "jacfwd by x": (lambda L: tf.jacfwd(L, 0), lambda r, d: r * d),
+    "hessian by x": (lambda L: tf.hessian(L, 0), lambda r, d: r * d),
+    "vmap over the split rows": (lambda L: tf.vmap(lambda xi, w: L(xi[None], w), (0, None)), lambda r, d: r),
+    "jacrev of an x-shaped result": (lambda L: tf.jacrev(lambda x, w: x.sum(1) * L(x, w), 1), lambda r, d: r),
+}
+
+_MOVES = (  # what fshard names the collective the batch reached
+    "all_reduce (fs.psum, fs.pmean, fs.pmax, fs.pmin, or a gradient's sum over the ranks)",
+    "all_gather (fs.all_gather, or the gradient of fs.psum_scatter)",
+    "reduce_scatter (fs.psum_scatter, or the gradient of fs.all_gather)",
+    "all_to_all (fs.all_to_all)",
+    "ppermute (fs.ppermute)",
+    "broadcast (fs.pbroadcast)",
+)
+
+
+def _split_batch_message(moves, ax, held):
+    return (
+        f"{moves} over {ax} under torch.func.vmap: the batch has a different size on different ranks of "
+        f"{ax} ({held}), because an input of this call is split unevenly (torch.chunk's blocks) and the "
+        f"batch was made from a split dim: vmap over it, jacfwd or hessian with respect to a split input, "
+        f"or jacrev of a split output (their batch is that input's or output's size). One collective moves "
+        f"the whole batch, element i of every rank together, so every rank of {ax} must map as many. vmap "
+        f"over a dim that is not split unevenly; differentiate with respect to a split input by jacrev or "
+        f"grad of a replicated (e.g. psum'd) result; or apply the transform from outside, to the shard_map'd "
+        f"function (torch.func.jacfwd(fs.shard_map(f, ...)) is the global function's Jacobian)"
+    )
+
+
+def _split_batch_messages(A, S, batches):
+    """The messages a batch of ``batches`` (each rank's, in rank order) may raise: for a collective of
+    each kind over each group of axes the programs use (all of them, the last, the others). The
+    first group of the collective (ranks in mesh order) whose batches differ is named, by the
+    coordinates that tell it from the collective's other groups."""
+    coords = list(itertools.product(*[range(s) for s in S]))
+    out = set()
+    for G in {A, A[-1:], A[:-1]} - {()}:
+        others = [a for a in A if a not in G]
+        groups: dict = {}
+        for c, n in zip(coords, batches):
+            i = 0
+            for a in G:
+                i = i * S[A.index(a)] + c[A.index(a)]
+            groups.setdefault(tuple(c[A.index(a)] for a in others), {})[i] = n
+        bad = next(((at, v) for at, v in groups.items() if len(set(v.values())) > 1), None)
+        if bad is None:
+            continue
+        where = ", ".join(f"{a}={c}" for a, c in zip(others, bad[0]))
+        held = "; ".join(f"index {i}: {n}" for i, n in sorted(bad[1].items()))
+        held = f"where {where}: {held}" if where else held
+        out |= {_split_batch_message(m, " ".join(G), held) for m in _MOVES}
+    return out
+
+
+UNEVEN = {
+    2: [({"x": 2}, 3)],
+    4: [({"x": 4}, 6), ({"dp": 2, "tp": 2}, 5)],
+    8: [({"dp": 2, "tp": 2, "pp": 2}, 9)],
+}
+
+
+def _rank_uneven_batches(n: int, only=()):
+    import fshard as fs
+
+    errs: list[str] = []
+    for shape, rows in UNEVEN[n]:  # rows % n != 0; 6 over 4 ranks: 2, 2, 2, 0
+        mesh = fs.Mesh(**shape)
+        A, S = tuple(mesh.axis_names), tuple(shape.values())
+        xs = f"({' '.join(A)} r) d"
+        blocks = [len(b) for b in _blocks(torch.zeros(rows), S)]
+        layouts = {"": "...", "x": xs, "x b": f"b {xs}", "x e": f"{xs} e"}
+        for pname, (local, ref, *opts) in _uneven_programs().items():
+            if ("two axes" in opts and len(A) < 2) or (only and pname not in only):
+                continue
+            where = f"{shape} rows={rows} {pname}"
+
+            def L(x, w, local=local, A=A):
+                return local(x, w, A)
+
+            def G(x, w, ref=ref, S=S):
+                return ref(x, w, S)
+
+            for tname, (T, batched, out) in BATCH_AGREES.items():
+                x = randn(1, *((NB,) if batched == "x" else ()), rows, n, dtype=DT)
+                w = randn(2, *((NB,) if batched == "w" else ()), n, dtype=DT) / 2
+                specs = (f"b {xs}" if batched == "x" else xs, "b d" if batched == "w" else "d")
+                F = fs.shard_map(T(L), mesh=mesh, in_specs=specs, out_specs=layouts[out])
+                with _case(f"{where} inside f {tname}"):
+                    got = F(x, w)
+                got = got.full() if isinstance(got, fs.Sharded) else got
+                close(errs, f"{where} inside f {tname}", got, T(G)(x, w), DT)
+            x, w = randn(1, rows, n, dtype=DT), randn(2, n, dtype=DT) / 2
+            for tname, (T, batch) in BATCH_SPLIT.items():
+                F = fs.shard_map(T(L), mesh=mesh, in_specs=(xs, "d"), out_specs="...")
+                try:
+                    F(x, w)
+                    errs.append(f"{where} inside f {tname}: no error")
+                except fs.CollectiveError as e:
+                    if str(e) not in _split_batch_messages(A, S, [batch(r, n) for r in blocks]):
+                        errs.append(f"{where} inside f {tname}: message {str(e)!r}")
+    if n == 4:
+        _batch_split_over_other_axes(errs)
+    return errs
+
+
+def _batch_split_over_other_axes(errs):
+    """A batch that differs only across the groups of a collective (rows cut over dp, summed over tp)
+    is fine: each group's ranks map as many. So it is where only some ranks run the collective,
+    after a branch on a value that varies over dp or in an fs.switch branch on dp (the check then
+    leaves dp out)."""
+    import fshard as fs
+
+    mesh = fs.Mesh(dp=2, tp=2)
+    x, w = randn(1, 5, 4, dtype=DT), randn(2, 4, dtype=DT)
+
+    def rows(x, w):
+        return tf.vmap(lambda xi: fs.psum((torch.sin(xi) * w).sum(), "tp"))(x)
+
+    def f(x, w):
+        y = rows(x, w)
+        if fs.axis_index("dp") == 0:  # the dp=0 ranks only: another batched psum over tp
+            y = y + 2 * rows(x, w)
+        return y
+
+    def switched(x, w):  # the same in an fs.switch branch on dp (the check leaves dp out there too)
+        y = fs.switch(fs.axis_index("dp"), [lambda x, w: rows(x, w) + 2 * rows(x, w), rows], x, w)
+        return fs.pmean(y, "tp")  # (typed by its operands, which vary over tp: the same on every rank)
+
+    want = (torch.sin(x) * w).sum(1)
+    want = torch.cat([3 * want[:3], want[3:]])  # rows 0-2 on dp=0
+    for name, fn in (("after a branch", f), ("in fs.switch", switched)):
+        with _case(f"rows over dp, psum over tp, {name}"):
+            got = fs.shard_map(fn, mesh=mesh, in_specs=("(dp r) (tp d)", "(tp d)"), out_specs="(dp r)")(x, w)
+        close(errs, f"rows over dp, psum over tp, {name}", got.full(), want, DT)
+
+
+# on 8 ranks (slow on a small machine), the collectives whose blocks a third axis cuts differently
+EIGHT = (
+    "psum",
+    "all_gather tiled varying",
+    "psum_scatter",
+    "all_to_all",
+    "psum over the last axis, then the others",
+)
+
+
+@pytest.mark.timeout(600)  # one job per world size: about 20 s, 60 s and 40 s
+@pytest.mark.parametrize("n, only", [(2, ()), (4, ()), (8, EIGHT)])
+def test_batching_transforms_inside_f_with_uneven_blocks(n, only):
+    assert_ok(run_ranks(n, _rank_uneven_batches, n, only, timeout=600))
