@@ -15,10 +15,11 @@ here. The subset is small because inductor compiles each program on every rank (
 on a small machine).
 
 Open bug, left out of the subset: the pipeline on 4 stages (``pipeline`` with pp=4) hangs under
-inductor in its compiled forward (gloo's timeout): the last rank's graph holds 4 of the 5
-``fs.ppermute`` all-to-alls, one whose result that rank does not use being dropped from its
-graph, while the other ranks' graphs hold all 5. The traced sequences agree (the comparison
-below passes); the collective is lost after the trace. On 2 stages every rank keeps them all.
+inductor in its compiled forward (gloo's timeout): the first stage's graph (it receives nothing
+it uses) holds 4 of the 5 ``fs.ppermute`` all-to-alls, while the other ranks' graphs hold all 5.
+The traced sequences agree (the comparison below passes); the collective is lost after the trace,
+and marking the functional collectives side-effectful for FX's dead-code elimination did not keep
+it. On 2 stages every rank keeps them all.
 
 Graphs that differ between ranks: each rank compiles its own graph, and the graphs do differ where
 the program reads the rank in Python (the pipeline's stage, the collective matmul's block order,
