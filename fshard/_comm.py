@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (the ops' fake kernels, for tracing)
 
-from . import _counts, _errors, _inflight, _wire
+from . import _counts, _errors, _inflight, _traced_order, _wire
 from . import _watchdog as _watch
 from ._mesh import AxisGroup
+from ._scalars import symbolic
 
 __all__: list[str] = []  # internal (the counts: `_counts`)
 
@@ -71,7 +72,7 @@ def is_abstract() -> bool:
     return _ABSTRACT[0] > 0
 
 
-def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None):
+def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None, op: str = ""):
     """Record one collective of ``t`` over ``g`` and return its profiler range (see `_span`).
 
     Outside ``torch.compile`` it also gets its record in ``_watchdog`` (sequence number, call
@@ -80,7 +81,7 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None):
     if _ABSTRACT[0]:
         raise Abstract(f"a {kind} over {', '.join(g.names)} while tracing for types only")
     if _compiling():  # a compiled graph shows the functional ops themselves
-        _counts.record_traced(kind, g, t)
+        _traced(kind, g, t, op)
         return _NO_SPAN
     if g.size > 1:  # gloo: the collectives still in flight over the group first (see _inflight)
         _inflight.drain(_name(g))
@@ -90,6 +91,15 @@ def _issue(kind: str, g: AxisGroup, t: torch.Tensor, salt=None, what=None):
         return _NO_SPAN
     label = f"fshard.{kind}[{','.join(g.names)}] {t.numel() * t.element_size()}B"
     return torch.profiler.record_function(label)
+
+
+def _traced(kind: str, g: AxisGroup, t: torch.Tensor, op: str = "") -> None:
+    """While Dynamo traces: count the collective (``fs.count_collectives``) and note it, with its
+    reduction ``op``, for the ranks' comparison of their traced collectives (`_traced_order`; a
+    ppermute's blocks differ by rank: no shape; a dim traced symbolically: -1)."""
+    _counts.record_traced(kind, g, t)
+    shape = None if kind == "ppermute" else tuple(-1 if symbolic(d) else d for d in t.shape)
+    _traced_order.note(kind, op, g.names, t.dtype, shape)
 
 
 def issued() -> tuple | None:
@@ -265,7 +275,8 @@ def all_reduce(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM, what: str | 
         if not _compiling() and (how := _wire.plan(g, t, name)) is not None:  # a dtype the backend lacks
             return _wire.from_wire(all_reduce(_wire.to_wire(t, how), g, op, what), t.dtype, how)
         desc = None if what is None else (lambda: what)
-        with _issue("all_reduce", g, t, what, desc):  # the range covers the wait, as for any blocking call
+        # (the range covers the wait, as for any blocking call)
+        with _issue("all_reduce", g, t, what, desc, op=name):
             rec, tags = _reduce_tags(t, g, name, what)
             nans = _nan_marks(t) if name in ("max", "min") and t.is_floating_point() else None
             if tags is None and nans is None:
@@ -330,7 +341,7 @@ def reduce_scatter_blocks(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = t.contiguous()
-        _counts.record_traced("all_gather", g, t)
+        _traced("all_gather", g, t)
         out = _WAIT(_ALL_GATHER(t.reshape(-1), g.size, _name(g)))
         return _to_blocks_order(out.view(g.size, *t.shape), g, inverse=True)
 
@@ -338,7 +349,7 @@ def _all_gather_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 def _reduce_scatter_traced(t: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     with untracked(), torch.no_grad():
         t = _to_blocks_order(t, g, inverse=False).contiguous()
-        _counts.record_traced("reduce_scatter", g, t)
+        _traced("reduce_scatter", g, t, "sum")
         return _WAIT(_REDUCE_SCATTER(t.reshape(-1), "sum", g.size, _name(g))).view(t.shape[1:])
 
 
@@ -546,7 +557,7 @@ def all_reduce_(t: torch.Tensor, g: AxisGroup, op=dist.ReduceOp.SUM) -> None:
                 if how[1] != "view":  # a view reduced in place is already t
                     t.copy_(_wire.from_wire(w, t.dtype, how))
                 return
-            with _issue("all_reduce", g, t):
+            with _issue("all_reduce", g, t, op=_OP_NAMES[op]):
                 if _compiling():  # the traceable form of an in-place collective
                     with torch.no_grad():
                         t.copy_(_WAIT(_ALL_REDUCE(t, _OP_NAMES[op], _name(g))))

@@ -39,6 +39,7 @@ import torch
 
 from . import _dynamo_hooks
 from ._errors import TracingError
+from ._trace_time import fail
 
 __all__ = [
     "compiling",
@@ -271,19 +272,6 @@ def check_call(name: str, no_sync: bool, debug: bool, counting: bool = False) ->
         )
     if debug:
         refuse(f"fs.shard_map({name}) under fs.debug", "turn fs.debug off, or call it eagerly")
-
-
-def fail(kind: type, message: str):
-    """Raise ``kind(message)``; while compiling, from trace time as itself (an exception raised in
-    traced code would reach the user as Dynamo's ``Unsupported: Observed exception``)."""
-    if compiling():
-        _raise_at_trace_time(kind, message)
-    raise kind(message)
-
-
-@torch._dynamo.assume_constant_result  # run (and raising) at trace time, not traced
-def _raise_at_trace_time(kind: type, message: str):
-    raise kind(message)
 
 
 def _no_functorch_wrappers() -> None:

@@ -12,6 +12,14 @@ as bare graph nodes without calling the active torch-function modes:
 - the functions torch lists as ignored for overrides, which eager's modes see all the same
   (`SEEN_BY_MODES`: ``torch.rand_like``, ``torch.normal``, ``torch.as_strided``, ...).
 
+And one Python number: Dynamo reads an ``int`` subclass as a constant, so ``int(i)``, ``if i:`` and
+``i == 0`` of a tracked `VaryingInt` (``fs.axis_index("dp").item()``, whose value each rank's
+graph holds as a constant) took the plain value without asking it: no taint, so a per-rank value
+could pass a replicated out_spec. A `VaryingInt` is no constant for Dynamo here: its own methods
+are traced, and a branch on it is refused in a compiled call as any other. Dynamo answers
+``_scalars.symbolic`` here: whether it traces a number symbolically (``.item()`` of a tensor the
+graph computes), which a `VaryingInt` cannot hold.
+
 Their results came out untagged, which reads as invariant: compiled, ``fs.psum(x.T, "dp")`` of a
 varying ``x`` was ``x.T * 2`` instead of the sum over ranks, a silent wrong value. While a tracking
 mode is the innermost mode, these are dispatched to it here, as Dynamo already does for a tensor
@@ -37,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ._scalars import VaryingInt, symbolic
 from ._scalars import _stack as _traces
 
 __all__ = ["INSTALLED", "VIEW_ATTRS", "EAGER_INSIDE"]
@@ -90,17 +99,25 @@ def _install() -> bool:
     try:
         from torch._dynamo.variables import tensor as tensor_vars
         from torch._dynamo.variables import torch as torch_vars
-        from torch._dynamo.variables.base import VariableTracker
+        from torch._dynamo.variables.base import AsPythonConstantNotImplementedError, VariableTracker
         from torch._dynamo.variables.builder import SourcelessBuilder
+        from torch._dynamo.variables.constant import ConstantVariable
+        from torch._dynamo.variables.functions import UserFunctionVariable
         from torch._dynamo.variables.torch_function import dispatch_torch_function
+        from torch._dynamo.variables.user_defined import UserDefinedConstantVariable
     except ImportError:  # another torch
         return False
     cls = tensor_vars.TensorVariable
     fns = torch_vars.TorchInGraphFunctionVariable
+    sym = getattr(tensor_vars, "SymNodeVariable", None)
     needed = ["var_getattr", "unpack_var_sequence", "mp_subscript_impl", *_UNARY, *_BINARY]
     if not all(callable(getattr(cls, name, None)) for name in needed):
         return False
     if not callable(getattr(fns, "torch_function_override_enabled", None)):
+        return False
+    if sym is None or not callable(getattr(UserFunctionVariable, "call_function", None)):
+        return False
+    if not callable(getattr(UserDefinedConstantVariable, "as_python_constant", None)):
         return False
     if getattr(cls.var_getattr, "_fshard", False):
         return True
@@ -177,6 +194,24 @@ def _install() -> bool:
 
         return make
 
+    def constant_hook(original):
+        def as_python_constant(self):
+            if type(self.value) is VaryingInt:  # its methods run traced (int(), bool(), ==, ...)
+                raise AsPythonConstantNotImplementedError(self)
+            return original(self)
+
+        return as_python_constant
+
+    def call_hook(original):
+        def call_function(self, tx, args, kwargs):
+            if self.fn is symbolic and len(args) == 1 and not kwargs:
+                return ConstantVariable.create(isinstance(args[0].realize(), sym))
+            return original(self, tx, args, kwargs)
+
+        return call_function
+
+    hook("as_python_constant", constant_hook, UserDefinedConstantVariable)
+    hook("call_function", call_hook, UserFunctionVariable)
     hook("torch_function_override_enabled", override_hook, fns)
     hook("var_getattr", getattr_hook)
     hook("unpack_var_sequence", unpack_hook)

@@ -49,6 +49,8 @@ def _kind_of(func):
     if func in _data_dependent_ops():
         return "_data_dependent"
     name = getattr(func, "__name__", "")
+    if name == "tag_activation_checkpoint":  # fs.remat's region, compiled: tracked inside (_remat)
+        return "_as_is"
     if name in _RANDOM_OPS:
         return "_random"
     if name.startswith("_foreach_"):

@@ -76,7 +76,11 @@ def _compiled(fn, tr, args, kwargs):
     Dynamo traces the region's body in a graph of its own, where the call's `VmaMode` does not
     see the ops: the body is traced under a mode of its own for the same trace (so its implicit
     casts and tags are eager's), and the masks of its outputs, plain ints at trace time, are put
-    on the region's outputs, which Dynamo makes anew. Untracked, the body's ops gave untagged
+    on the region's outputs, which Dynamo makes anew. The region's op itself (Dynamo's
+    ``tag_activation_checkpoint``, which the call's mode sees with all the region's inputs) runs
+    as is (`_vma._as_is`): the plain rule cast an invariant input that needs a gradient to vary like
+    the weights beside it, so its whole gradient was summed over the ranks (a Megatron block's
+    residual input: a false replication error, or twice the gradient). Untracked, the body's ops gave untagged
     (invariant) results: a psum of them multiplied instead of summing, and a Megatron layer gave
     other values than eager."""
     masks: list[list[int]] = []

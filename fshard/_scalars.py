@@ -9,6 +9,8 @@ made a number is still running.
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 import sys
 import weakref
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from ._errors import TracingError
+from ._trace_time import fail
 
 _ATTR = "_fshard_vma"
 _Tensor = torch.Tensor
@@ -50,7 +53,7 @@ def plain(x):
     which reads the value without the checks `VaryingInt` and `VaryingFloat` make."""
     tp = type(x)
     if tp is VaryingInt:
-        return int.__int__(x)
+        return x.real  # the exact int (Dynamo traces this, not int.__int__)
     if tp is VaryingFloat:
         return x._value
     return x
@@ -71,15 +74,13 @@ def _wrap_result(name: str):
                 vals.append(o)
             else:
                 return NotImplemented  # e.g. a tensor: its reflected op runs, under VmaMode
-        base = plain(self)
-        fn = getattr(type(base), name, None)
-        out = NotImplemented if fn is None else fn(base, *vals)
-        if out is NotImplemented and type(base) is int and hasattr(float, name):
-            out = getattr(float, name)(float(base), *vals)  # int op float: as Python does
-        if out is NotImplemented:
-            return out
+        fn = _OPS[name]
+        try:
+            out = fn(plain(self), *vals)
+        except TypeError:  # (an operand the operation does not take: as the int's own method)
+            return NotImplemented
         tid = self._fshard_vma[0]
-        ranks = _per_rank(getattr(type(base), name, None), self, others)
+        ranks = _per_rank(fn, self, others)
         if type(out) is tuple:  # divmod
             return tuple(
                 _varying_scalar(y, tid, bits, None if ranks is None else tuple(r[i] for r in ranks))
@@ -89,6 +90,44 @@ def _wrap_result(name: str):
 
     op.__name__ = name
     return op
+
+
+def _reflected(fn):
+    return lambda a, b: fn(b, a)
+
+
+# The operations of `_wrap_result` on the plain values, as Python's operators compute them (an int
+# and a float give a float). Dynamo traces these, where ``int.__add__(3, 1)`` of a compiled call
+# reads as NotImplemented.
+_OPS: dict[str, Any] = {
+    "__add__": operator.add,
+    "__sub__": operator.sub,
+    "__mul__": operator.mul,
+    "__floordiv__": operator.floordiv,
+    "__truediv__": operator.truediv,
+    "__mod__": operator.mod,
+    "__divmod__": divmod,
+    "__and__": operator.and_,
+    "__or__": operator.or_,
+    "__xor__": operator.xor,
+    "__lshift__": operator.lshift,
+    "__rshift__": operator.rshift,
+}
+_OPS.update({"__r" + k[2:]: _reflected(fn) for k, fn in list(_OPS.items())})
+_OPS.update(
+    {
+        "__pow__": pow,
+        "__rpow__": lambda a, b, mod=None: pow(b, a, mod),
+        "__neg__": operator.neg,
+        "__pos__": operator.pos,
+        "__abs__": abs,
+        "__invert__": operator.invert,
+        "__round__": round,
+        "__floor__": math.floor,
+        "__ceil__": math.ceil,
+        "__trunc__": math.trunc,
+    }
+)
 
 
 def _per_rank(fn, self, others) -> tuple | None:
@@ -153,13 +192,44 @@ def taint(tr: Any, bits: int, what: str) -> None:
     whole (outputs, collective operands): a branch may have chosen between them. A collective's
     result over those axes made afterwards is the same on every rank again (``fresh``)."""
     if tr.compiled:  # a compiled call cannot branch on the ranks' data: refused as before
-        raise TracingError(compiled_branch(tr, bits, what))
+        fail(TracingError, compiled_branch(tr, bits, what))  # (at trace time, as itself)
     if tr.taint_why is None or bits & ~tr.taint:
         word, axes = _varying_axes_text(tr, bits & ~tr.taint if tr.taint_why is not None else bits)
         why = f"{what} a value that varies over mesh {word} {axes}, at {_site()}"
         tr.taint_why = why if tr.taint_why is None else f"{tr.taint_why}; {why}"
     tr.taint |= bits
     tr.fresh.clear()  # a collective result made before this branch may be the one it chose
+
+
+def symbolic(x) -> bool:
+    """Whether Dynamo traces the number ``x`` symbolically: an int or float the graph knows only
+    when it runs (``t.item()`` of a tensor the graph computes), not a constant of the trace. False
+    outside a trace (Dynamo answers it: ``_dynamo_hooks``)."""
+    return False
+
+
+def check_traced_number(tr: Any, bits: int, name: str, out) -> None:
+    """In a compiled call, ``t.item()`` / ``t.tolist()`` (``name``) of a tensor varying over ``bits``
+    gave ``out``: a `VaryingInt` (an int subclass) holds its value at trace time, so an int the
+    graph computes is refused; one each rank's graph holds as a constant
+    (``fs.axis_index(axis).item()``) is tracked as in eager, and so is a float (`VaryingFloat`
+    holds the symbolic value)."""
+    if not _symbolic_int(out):
+        return
+    word, axes = _varying_axes_text(tr, bits)
+    fail(
+        TracingError,
+        f"fs.shard_map({tr.where}): t.{name}() of an integer tensor that varies over mesh {word} {axes} "
+        f"and that the compiled graph computes (its value is known only when the graph runs, and a "
+        f"tracked Python int needs it at trace time); keep it a tensor (x * t, x[t], "
+        f"torch.where(t == 0, a, b)), or call it eagerly",
+    )
+
+
+def _symbolic_int(x) -> bool:
+    if type(x) is list:
+        return any(_symbolic_int(y) for y in x)
+    return type(x) is int and symbolic(x)
 
 
 def taint_of(t, tr: Any) -> int:
@@ -219,6 +289,21 @@ _LEAVES = {  # a tracked number's way out of tracking -> what the taint record c
 }
 
 
+_LEAVE_OPS: dict[str, Any] = {  # (as `_OPS`: what Dynamo traces)
+    "__lt__": operator.lt,
+    "__le__": operator.le,
+    "__gt__": operator.gt,
+    "__ge__": operator.ge,
+    "__eq__": operator.eq,
+    "__ne__": operator.ne,
+    "__bool__": bool,
+    "__int__": int,
+    "__float__": float,
+    "__index__": operator.index,
+    "__complex__": complex,
+}
+
+
 def _refuse_scalar(name: str):
     """Operation ``name`` of a tracked number: the plain operation, after tainting the call that
     made it (`taint`) when it is still running."""
@@ -228,10 +313,10 @@ def _refuse_scalar(name: str):
         hit = _owner(self, others)
         base = plain(self)
         if hit is not None:
-            ranks = _per_rank(getattr(int, name), self, others) if type(base) is int else None
+            ranks = _per_rank(_LEAVE_OPS[name], self, others) if type(base) is int else None
             if ranks is None or len(set(ranks)) > 1:  # (the same at every position: plain)
                 taint(hit[0], hit[1], what)
-        return getattr(type(base), name)(base, *[plain(o) for o in others])
+        return _LEAVE_OPS[name](base, *[plain(o) for o in others])
 
     op.__name__ = name
     return op
@@ -392,7 +477,7 @@ def _plain_args(x):
     """``x`` with tracked numbers replaced by their plain values (for torch, which reads them)."""
     tp = type(x)
     if tp is VaryingInt:
-        return int.__int__(x)
+        return x.real  # the exact int (Dynamo traces this, not int.__int__)
     if tp is VaryingFloat:
         return x._value
     if tp is slice:

@@ -16,7 +16,20 @@ import math
 import optree
 import torch
 
-from . import _buckets, _checks, _compile, _counts, _debug, _mesh, _shapes, _spec, _stages, _static, _vma
+from . import (
+    _buckets,
+    _checks,
+    _compile,
+    _counts,
+    _debug,
+    _mesh,
+    _shapes,
+    _spec,
+    _stages,
+    _static,
+    _traced_order,
+    _vma,
+)
 from ._buckets import DEFAULT_BUCKET_MB, _ScaleCotangent
 from ._checks import problems_report as _report
 from ._errors import ArgumentError, FshardError, SpecError
@@ -271,6 +284,8 @@ class _ShardMapped(_static.Fixed):
             _stages.debug_check_inputs(self.name, mesh, args, leaves, plans, InKind.PER_RANK)
         # (compiled: Dynamo cannot read _version; in-place updates of global inputs go unchecked)
         versions = [] if compiling else [leaves[i]._version for i in global_idx]
+        if compiling:  # the collectives traced from here on, compared with the other ranks' at the end
+            _traced_order.begin()
         tr = _vma.Trace(mesh, self.name)
         tr.uneven = uneven
         if self._per_rank:
@@ -342,6 +357,8 @@ class _ShardMapped(_static.Fixed):
         if shapes:
             for i, shape in shapes.items():
                 done[i]._shape = shape
+        if compiling:
+            _traced_order.agree(self.name, self._mesh_text)
         return optree.tree_unflatten(out_treedef, done)
 
     # == planning ===========================================================================

@@ -37,6 +37,7 @@ from ._scalars import (
     _unwrap,
     _varying_axes_text,
     _varying_scalar,
+    check_traced_number,
     compiled_branch,
     differentiating,
     hidden_bits,
@@ -523,9 +524,12 @@ def _self_bits(tr: Trace, args) -> int:
 
 
 def _to_python(func, tr: Trace, args, kwargs):
-    """``t.item()``, ``t.tolist()``: Python numbers that keep the mask."""
+    """``t.item()``, ``t.tolist()``: Python numbers that keep the mask (compiled: only those each
+    rank's graph holds as constants, `check_traced_number`)."""
     out = func(*args, **kwargs)
     bits = _self_bits(tr, args) | tr.taint
+    if bits and tr.compiled:
+        check_traced_number(tr, bits, func.__name__, out)
     return _mark(out, tr.id, bits) if bits else out
 
 
@@ -782,18 +786,15 @@ def _random(func, tr: Trace, args, kwargs):
     return out
 
 
+def _as_is(func, tr: Trace, args, kwargs):
+    """An op whose body the tracking follows itself (``fs.remat``'s region compiled, `_remat._compiled`):
+    run as is (a cast of an invariant input beside a varying weight summed its gradient over the ranks)."""
+    return func(*args, **kwargs)
+
+
 _HANDLERS = {
-    f.__name__: f
-    for f in (
-        _autograd_grad,
-        _view_attr,
-        _refuse_varying,
-        _to_python,
-        _iterate,
-        _shapes._shape,
-        _shapes._length,
-        _data_dependent,
-        _random,
-        _foreach,
-    )
+    f.__name__: f for f in (_autograd_grad, _view_attr, _refuse_varying, _to_python, _iterate, _as_is)
 }
+_HANDLERS.update(
+    {f.__name__: f for f in (_shapes._shape, _shapes._length, _data_dependent, _random, _foreach)}
+)
