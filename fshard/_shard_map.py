@@ -288,8 +288,13 @@ class _ShardMapped(_static.Fixed):
             _traced_order.begin()
         tr = _vma.Trace(mesh, self.name)
         tr.uneven = uneven
-        if self._per_rank:
-            tr.shapes_differ = treedef in self._per_rank  # fs.PerRank arguments (_stages)
+        local_treedef = treedef
+        if compiling:
+            if _stages.has_per_rank(args):  # fs.PerRank arguments (_stages): f sees their trees
+                tr.shapes_differ, local_treedef = True, _stages.local_treedef(args)
+        elif self._per_rank:
+            tr.shapes_differ = treedef in self._per_rank
+            local_treedef = self._per_rank.get(treedef, treedef)
         # (compiled: no buckets, also for fs.value_and_grad inside f; one all-reduce per input)
         tr.bucket_mb = self._bucket_mb if self._tracked and not compiling else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
@@ -309,9 +314,7 @@ class _ShardMapped(_static.Fixed):
             casts = (self._compute_dtype, self._reduce_dtype, lambda i: plans[i].path)  # (+ key paths)
             local = _buckets.wrap(local, masks, tr, self._all_bits, tr.bucket_mb, *casts)
         _shapes.set_inputs(leaves, plans, local, tr)  # uneven blocks: their shapes at every position
-        local_args = optree.tree_unflatten(
-            self._per_rank.get(treedef, treedef) if self._per_rank else treedef, local
-        )
+        local_args = optree.tree_unflatten(local_treedef, local)
         with tr:
             out = self.f(*local_args)
         if versions:
@@ -424,12 +427,9 @@ class _ShardMapped(_static.Fixed):
             plans.append(self._in_plan(x, layout, path))
         per_rank = _stages.per_rank_leaves(args)
         if per_rank:  # leaves of fs.PerRank values: this rank's own, varying over their axes
-            _compile.refuse(
-                f"fs.shard_map({self.name}) with an fs.PerRank argument",
-                "call this shard_map'd function eagerly (outside the compiled function)",
-            )
             problems += _stages.mark_inputs(plans, per_rank, specs, paths, mesh, InKind)
-            self._per_rank[treedef] = _stages.local_treedef(args)
+            if not _compile.compiling():  # (compiled: worked out at each trace, see __call__)
+                self._per_rank[treedef] = _stages.local_treedef(args)
         if problems:
             raise SpecError(_report(self.name, "in_specs", problems))
         return plans, {lab: size for lab, (size, _) in label_sizes.items()}
@@ -565,6 +565,11 @@ def _localize(x, p: _InPlan, tr, mesh):
         if _compile.compiling():  # a layout made in traced code: Dynamo cannot call the methods
             b = Layout(b.dims, b.labels, b.partial)  # of one in a plan made at trace time (_static)
         x = relayout(x.local, mesh, x.layout, b, x.shape)
+    if code < 3 and not (code == 1 and p.slices) and _compile.compiling():
+        # compiled: f gets an alias of the input, so that nothing in f guards on the input's
+        # identity (the casts are cached by id: Dynamo guards on the id of a graph input, and a
+        # step given new parameter tensors each call, as fs.optim returns them, recompiled)
+        x = x.view_as(x)
     if p.bits:
         _vma.tag(x, tr, p.bits)
     return x

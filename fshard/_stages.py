@@ -30,6 +30,9 @@ from ._errors import ArgumentError, CollectiveError, SpecError, TracingError
 from ._mesh import Mesh
 from ._primitives import apply as _apply
 from ._sharded import Sharded
+from ._switch_links import SwitchIn as _SwitchIn
+from ._switch_links import SwitchOut as _SwitchOut
+from ._switch_links import keep_operands as _keep_operands
 
 __all__ = ["PerRank", "switch"]
 
@@ -356,6 +359,11 @@ def unwrap(tree):
     return optree.tree_map(lambda x: x.tree if isinstance(x, PerRank) else x, tree, is_leaf=_is_per_rank)
 
 
+def has_per_rank(args) -> bool:
+    """Whether ``args`` holds a PerRank value."""
+    return any(isinstance(x, PerRank) for x in optree.tree_leaves(args, is_leaf=_is_per_rank))
+
+
 def local_treedef(args):
     """The treedef of what ``f`` receives for ``args``: each PerRank value replaced by its tree."""
     return optree.tree_structure(unwrap(args))
@@ -451,6 +459,9 @@ def switch(index, branches, *operands):
       tensors computed from them vary over the axes already and may be captured.
     - Out-of-range indices raise `ArgumentError` on the ranks that have one (no clamping).
 
+    Compiled (``torch.compile`` or ``fs.compile``), each rank's graph holds its own branch, and
+    the outputs are typed by the operands (as above where the branches cannot be traced).
+
     Args:
         index: a 0-dim integer tensor (``fs.axis_index("pp")``, or computed from it) or an int.
         branches: a sequence of callables, one per index value.
@@ -484,10 +495,6 @@ def switch(index, branches, *operands):
         )
     if not bits:  # the same branch on every rank
         return branches[i](*operands)
-    _compile.refuse(
-        "fs.switch on an index that varies over mesh axes",
-        "call the step eagerly, or branch outside the compiled function",
-    )
     flat, treedef = optree.tree_flatten(operands)
     grad = torch.is_grad_enabled()
     diff = [k for k, x in enumerate(flat) if isinstance(x, _Tensor) and x.requires_grad] if grad else []
@@ -536,6 +543,8 @@ def switch(index, branches, *operands):
     tr.shapes_differ = True  # the branches' results may differ in shape from one index to the next
     leaves, otreedef = optree.tree_flatten(out)
     types = [union] * len(leaves) if typed is None else _check_typed(typed, leaves, otreedef, tr, i)
+    if _compile.compiling():
+        leaves = _keep_operands(leaves, flat, tr)
     for k, x in enumerate(leaves):
         if isinstance(x, _Tensor) and grad and x.requires_grad:
             own = _vma.get(x, tr)
@@ -576,8 +585,8 @@ def _branch_types(branches, flat, treedef, masks, tr, bits) -> tuple | None:
       traced on each rank's own shapes, and could trace on some ranks and not on others, so the
       ranks could disagree about the types. The decision reads only what every rank agrees on.
     """
-    if tr.uneven or tr.ragged or tr.shapes_differ:
-        return None
+    if tr.uneven or tr.ragged or tr.shapes_differ or _compile.compiling():
+        return None  # (compiled: each rank's graph holds its own branch only; typed by the operands)
     key = refs = None
     try:
         desc = [
@@ -695,63 +704,6 @@ def _tag_leaf(x, tr, bits: int):
         base = int(base) if isinstance(base, int) else float(base)
         return _scalars._varying_scalar(base, tr.id, bits | _scalars._scan(x, tr.id))
     return x
-
-
-class _SwitchIn(torch.autograd.Function):
-    """Identity on the differentiable operands, plus a token that links the outputs to them: in
-    the backward every operand gets a gradient (zeros where the branch ignored it)."""
-
-    @staticmethod
-    def forward(*xs):
-        with untracked():
-            return (*[x.view_as(x) for x in xs], torch.zeros((), dtype=xs[0].dtype, device=xs[0].device))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.token = (output[-1].dtype, output[-1].device)
-
-    @staticmethod
-    def backward(ctx, *cts):
-        return cts[:-1]
-
-    @staticmethod
-    def jvp(ctx, *ts):  # identity: the tangents pass through, the token's is zero
-        dtype, device = ctx.token
-        return (
-            *[None if t is None else t.view_as(t) for t in ts],
-            torch.zeros((), dtype=dtype, device=device),
-        )
-
-    @staticmethod
-    def vmap(info, in_dims, *xs):
-        return _apply(_SwitchIn, *xs), (*in_dims, None)
-
-
-class _SwitchOut(torch.autograd.Function):
-    """Identity on the branch's floating-point outputs, with the token as an extra input: the outputs
-    need a gradient on every rank, and the backward of any of them reaches every operand."""
-
-    @staticmethod
-    def forward(token, *ys):
-        with untracked():
-            return tuple(y.view_as(y) for y in ys)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.token = (inputs[0].shape, inputs[0].dtype, inputs[0].device)
-
-    @staticmethod
-    def backward(ctx, *cts):
-        shape, dtype, device = ctx.token
-        return (torch.zeros(shape, dtype=dtype, device=device), *cts)
-
-    @staticmethod
-    def jvp(ctx, _, *ts):
-        return tuple(None if t is None else t.view_as(t) for t in ts)
-
-    @staticmethod
-    def vmap(info, in_dims, token, *ys):
-        return _apply(_SwitchOut, token, *ys), tuple(in_dims[1:])
 
 
 class _BranchGuard(TorchFunctionMode):
