@@ -11,8 +11,13 @@ or a loop whose length differs by rank) paired different collectives when the gr
 While Dynamo traces a shard_map call, each collective fshard issues in it is noted (`note`, run at
 trace time: its op, axes, dtype and shape, and the user's line); the backward's collectives are
 among them, as Dynamo traces the primitives' backward rules with their forward. At the end of the
-call's trace the ranks of the mesh compare their sequences (`agree`) and, when they differ, every
-rank raises the same error, naming the first collective where they part. Nothing of this is in
+call's trace the ranks of the mesh compare their sequences (`agree`), group by group: the ranks
+of one group must have traced the same collectives over that group, in the same order, and
+nothing else is compared (each rank's graph may hold its own code elsewhere: an ``fs.switch``
+branch per pipeline stage, with its own parameters' reductions and collectives over tp in one
+stage only). Where a group's ranks differ, every rank of the mesh (each reads every sequence, so
+each finds the same group) raises the same error, naming the first collective where they part.
+The order of collectives of different groups is not compared. Nothing of this is in
 the graph: a call of an already-compiled graph costs nothing.
 
 The comparison goes through the rendezvous store (each rank sets its sequence under a key of the
@@ -127,7 +132,7 @@ def agree(where: str, mesh_text: str) -> bool:
     n = _traces[call] = _traces.get(call, 0) + 1
     prefix = f"fshard/traced/{zlib.crc32(repr(call).encode())}/{n}/"
     mine = prefix + str(dist.get_rank())
-    store.set(mine, json.dumps([[_key(c), _describe(i, c)] for i, c in enumerate(log)]))
+    store.set(mine, json.dumps([[_key(c), _describe(i, c), list(c[1])] for i, c in enumerate(log)]))
     keys = [prefix + str(r) for r in mesh.ranks]
     deadline = time.monotonic() + _wait()
     while not store.check(keys):
@@ -145,9 +150,11 @@ def agree(where: str, mesh_text: str) -> bool:
             )
             return True
         time.sleep(_POLL)
-    seqs = {r: json.loads(store.get(k)) for r, k in zip(mesh.ranks, keys)}
-    if len({tuple(c[0] for c in s) for s in seqs.values()}) == 1:  # (not the lines: as the tags)
+    everyone = {r: json.loads(store.get(k)) for r, k in zip(mesh.ranks, keys)}
+    differ = _first_group_that_differs(everyone, mesh)
+    if differ is None:
         return True
+    names, seqs = differ
     k = next(
         i
         for i in range(max(map(len, seqs.values())))
@@ -159,12 +166,38 @@ def agree(where: str, mesh_text: str) -> bool:
     bullets = "\n".join(
         f"  - {_watch._ranks_text(sorted(r))}: {d}" for d, r in sorted(by.items(), key=lambda kv: min(kv[1]))
     )
+    who = "mesh" if len(seqs) == mesh.size else f"group over {','.join(names)}"
     raise CollectiveError(
-        f"fshard: the ranks of the mesh ({_watch._ranks_text(sorted(mesh.ranks))}) traced different "
+        f"fshard: the ranks of the {who} ({_watch._ranks_text(sorted(seqs))}) traced different "
         f"collectives into their compiled graphs of fs.shard_map({where}):\n{bullets}\n"
         f"Nothing was sent: every rank raised this error while Dynamo traced the call, before its "
         f"graph ran. {_watch._ORDER_FIX}"
     )
+
+
+def _first_group_that_differs(seqs: dict, mesh) -> tuple | None:
+    """``(axes, {rank: its collectives over axes})`` of the first group whose ranks traced
+    different collectives over its axes, or None. Only the ranks of one group must agree, on the
+    collectives over that group: each rank's graph may hold its own code elsewhere (an ``fs.switch``
+    branch per pipeline stage: parameters of other shapes, collectives over tp in one stage only)."""
+    names = list(mesh.axis_names)
+    sizes = [mesh.axis_size(a) for a in names]
+    where = {}
+    for i, r in enumerate(mesh.ranks):  # each rank's coordinates (row-major, as the mesh's ranks)
+        coords = []
+        for n in reversed(sizes):
+            coords.append(i % n)
+            i //= n
+        where[r] = list(reversed(coords))
+    for axes in sorted({tuple(c[2]) for s in seqs.values() for c in s}):
+        groups: dict[tuple, list] = {}
+        for r in seqs:  # the ranks that share the coordinates off these axes
+            groups.setdefault(tuple(x for a, x in zip(names, where[r]) if a not in axes), []).append(r)
+        for members in groups.values():
+            sub = {r: [c for c in seqs[r] if tuple(c[2]) == axes] for r in members}
+            if len({tuple(c[0] for c in s) for s in sub.values()}) > 1:  # (not the lines: as the tags)
+                return axes, sub
+    return None
 
 
 def _wait() -> float:

@@ -129,3 +129,80 @@ def test_compiled_pipeline_of_per_rank_stages_matches_one_process_and_eager(n, s
         ticks = 3 + stages - 1  # microbatches + bubble (tests/test_stages.py: M = 3)
         # a ppermute per tick but the last, forward and backward (all_to_all_single each)
         assert ops[0].count("all_to_all_single") == 2 * (ticks - 1), ops[0]
+
+
+# == collectives inside the branches: compared per group ====================================
+
+
+def _rank_branch_collectives(backend):
+    """pp=2 x tp=2: stage 1's branch sums over tp, stage 0's does not. The ranks of a tp group run
+    the same branch, so their graphs agree where they must (on the collectives over their tp
+    group); the ranks of the mesh as a whole do not, and must not be refused for it."""
+    import fshard as fs
+
+    mesh = fs.Mesh(pp=2, tp=2)
+    x = torch.arange(1.0, 9.0, dtype=DT)  # "(tp d)"
+    c = fs.PerRank.build(mesh, "pp", lambda s: torch.tensor(float(s + 1), dtype=DT))
+
+    def f(c, x):
+        branches = [lambda c, x: (x * c).sum(), lambda c, x: fs.psum((x * c).sum(), "tp")]
+        return fs.psum(fs.switch(fs.axis_index("pp"), branches, c, x), ("pp", "tp"))
+
+    sm = fs.shard_map(f, mesh=mesh, in_specs=(None, "(tp d)"), out_specs="")
+    errs: list[str] = []
+    want = (1.0 + 2 * 2.0) * x.sum()  # stage 0's two blocks once, stage 1's psum on both its ranks
+    want_grad = x.sum() * (1.0 if mesh.axis_index("pp") == 0 else 2.0)
+    for name, fn in (("eager", sm), (backend, torch.compile(sm, backend=backend, fullgraph=True))):
+        torch._dynamo.reset()
+        leaf = c.tree.detach().clone().requires_grad_()
+        loss = fn(fs.PerRank(leaf, "pp", mesh), x)
+        loss.backward()
+        close(errs, f"{name}: loss", loss, want, DT)
+        close(errs, f"{name}: this stage's gradient", leaf.grad, want_grad, DT)
+    return errs
+
+
+def test_branches_with_collectives_over_other_axes_compile_and_match_one_process():
+    assert_ok(run_ranks(4, _rank_branch_collectives, "aot_eager", timeout=110))
+
+
+def _rank_group_differs():
+    """pp=2 x tp=2, rank 1 alone adds a psum over tp: its tp group (ranks 0, 1) disagrees; every
+    rank of the mesh raises the same error at trace time (ranks 2 and 3 too, whose group agrees)."""
+    import torch.distributed as dist
+
+    import fshard as fs
+
+    mesh = fs.Mesh(pp=2, tp=2)
+    rank = dist.get_rank()
+
+    def f(x):
+        y = x * 2
+        if rank == 1:
+            y = fs.psum(y, "tp")
+        return y
+
+    sm = fs.shard_map(f, mesh=mesh, in_specs="(tp d)", out_specs="(tp d)")
+    torch._dynamo.reset()
+    try:
+        fs.compile(sm, backend="aot_eager")(torch.ones(4))
+        return "nothing raised", f.__code__.co_firstlineno
+    except Exception as err:  # noqa: BLE001  (the exception's type and text are compared)
+        return f"{type(err).__name__}: {err}", f.__code__.co_firstlineno
+
+
+def test_a_group_whose_ranks_trace_different_collectives_makes_every_rank_raise():
+    got = run_ranks(4, _rank_group_differs, timeout=110)
+    first = got[0][1]
+    want = (
+        "CollectiveError: fshard: the ranks of the group over tp (ranks 0, 1) traced different collectives "
+        "into their compiled graphs of fs.shard_map(_rank_group_differs.<locals>.f):\n"
+        f"  - rank 0: no collective #1 (it traced 0)\n"
+        f"  - rank 1: #1 all_reduce (sum) over tp of float32 (2,) at test_compile_stages.py:{first + 3}\n"
+        "Nothing was sent: every rank raised this error while Dynamo traced the call, before its graph "
+        "ran. Every rank must issue the same collectives over a group in the same order (op, axes, shape, "
+        "dtype, call site): look for a collective in a branch on the rank or on per-rank data (if rank == 0, "
+        "a loop whose length differs by rank) and make every rank reach it"
+    )
+    for rank, (message, _) in enumerate(got):
+        assert message == want, f"rank {rank}"
