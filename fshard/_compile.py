@@ -160,8 +160,9 @@ _KEEP: list = []  # the pass, made once (inductor's cache keys a pass by its uui
 @torch._dynamo.assume_constant_result  # run at trace time, not traced
 def keep_collectives_in_place() -> bool:
     """Add `_keep_backward_collectives` to inductor's joint-graph passes (once; after any pass the
-    user set there), and turn inductor's peak-memory reordering off (see below), while Dynamo
-    traces a shard_map call: before inductor partitions and schedules the graph."""
+    user set there), and turn inductor's peak-memory reordering and AOTAutograd's elimination of
+    common subexpressions off (see below), while Dynamo traces a shard_map call: before inductor
+    partitions and schedules the graph."""
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -189,6 +190,12 @@ def keep_collectives_in_place() -> bool:
     # buffers' sizes and dtypes. Off while the graphs of a shard_map call are compiled: a
     # memory heuristic, never a change of values.
     config.reorder_for_peak_memory = False
+    # AOTAutograd's common-subexpression elimination merges two collectives whose operands the
+    # graph computes alike: on one rank only, where that rank's constants made them alike (a
+    # pipeline's first stage sends tanh(0 @ w) at two bubble steps), while its peers run both and
+    # waited for the second forever (4 stages under inductor). Off while the graphs of a shard_map
+    # call are compiled (inductor still merges common subexpressions inside its kernels).
+    torch._functorch.config.cse = False
     return True
 
 

@@ -6,7 +6,7 @@ fullgraph=True)`` of its shard_map'd function and ``loss.backward()`` (``torch.a
 with a fixed cotangent) outside the compiled call: data parallel, tensor parallel (the input's
 gradient too), dp x tp, FSDP with per-leaf all-gathers of Sharded parameters, an explicit
 ``fs.psum_scatter`` and an out_spec's reduce-scatter (``| sum(tp)``), ``fs.ppermute`` as a ring
-(collective matmul) and as a chain (a pipeline: rank 0 only sends, the last rank only receives,
+(collective matmul) and as a chain on 2 and 4 stages (a pipeline: rank 0 only sends, the last rank only receives,
 the case where inductor's partitioner moved one rank's collective into its forward), ``fs.remat``
 around a psum, and ``fs.axis_index(...).item()``. The outputs and the gradients of every input are
 compared with the eager call and with the same computation by plain torch on the global tensors in
@@ -14,12 +14,10 @@ one process. Uneven blocks are refused by compiled calls (tests/test_compile_ste
 here. The subset is small because inductor compiles each program on every rank (tens of seconds
 on a small machine).
 
-Open bug, left out of the subset: the pipeline on 4 stages (``pipeline`` with pp=4) hangs under
-inductor in its compiled forward (gloo's timeout): the first stage's graph (it receives nothing
-it uses) holds 4 of the 5 ``fs.ppermute`` all-to-alls, while the other ranks' graphs hold all 5.
-The traced sequences agree (the comparison below passes); the collective is lost after the trace,
-and marking the functional collectives side-effectful for FX's dead-code elimination did not keep
-it. On 2 stages every rank keeps them all.
+The pipeline on 4 stages hung under inductor in its compiled forward (gloo's timeout): on the first
+stage two bubble steps send the same value (tanh(0 @ w), the stage's constants folded), and
+AOTAutograd's common-subexpression elimination merged the two ppermute all-to-alls into one on that
+rank only; fshard turns that elimination off while a shard_map call compiles (`_compile`).
 
 Graphs that differ between ranks: each rank compiles its own graph, and the graphs do differ where
 the program reads the rank in Python (the pipeline's stage, the collective matmul's block order,
@@ -150,7 +148,7 @@ INDUCTOR_SUBSET = {
     ],
     4: [
         ("dp_tp", {"dp": 2, "tp": 2}, {}, "plain"),
-        # not ("pipeline", {"pp": 4}): open bug, see the module docstring
+        ("pipeline", {"pp": 4}, {}, "plain"),
     ],
 }
 
