@@ -32,7 +32,10 @@ def keep_operands(leaves: list, flat: list, tr) -> list:
     if not ops:
         return leaves
     with untracked(), torch.no_grad():
-        zero = sum(x.detach().reshape(-1)[:0].sum().float() for x in ops)
+        zeros = [x.detach().reshape(-1)[:0].abs().sum().float() for x in ops]  # (abs: complex too)
+        zero = zeros[0]
+        for z in zeros[1:]:
+            zero = zero + z
     out = list(leaves)
     for k, y in enumerate(out):  # each output: the caller may use any of them alone
         if isinstance(y, _Tensor) and (y.is_floating_point() or y.is_complex()):
