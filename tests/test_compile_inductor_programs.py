@@ -34,7 +34,6 @@ without collectives compiles as before.
 
 from __future__ import annotations
 
-import math
 import time
 from types import SimpleNamespace
 
@@ -49,20 +48,14 @@ from tests.programs import PROGRAMS
 
 
 def _p_psum_scatter(mesh, dtype):
-    """Megatron MLP whose row-split output is reduced by an explicit fs.psum_scatter over tp."""
+    """Megatron MLP whose row-split output is reduced by an explicit fs.psum_scatter over tp (the
+    inputs and specs of the matrix's tp_partial program, x differentiated too)."""
     import fshard as fs
 
-    n = mesh.size
-    b, k = 2 * n, 4
-    inputs = {
-        "x": randn(1, b, k, dtype=dtype),
-        "w1": randn(2, k, 2 * n, dtype=dtype) / 2,
-        "b1": randn(3, 2 * n, dtype=dtype) * 0.1,
-        "w2": randn(4, 2 * n, k, dtype=dtype) / math.sqrt(2 * n),
-    }
+    base = PROGRAMS["tp_partial"](mesh, dtype, scatter=True)
     return SimpleNamespace(
-        inputs=inputs,
-        specs={"x": "b k", "w1": "k (tp n)", "b1": "(tp n)", "w2": "(tp n) k"},
+        inputs=base.inputs,
+        specs=base.specs,
         diff=("x", "w1", "b1", "w2"),
         local=lambda t: fs.psum_scatter(gelu_mlp(t, t["x"]), "tp", dim=0, tiled=True),
         ref=lambda t: gelu_mlp(t, t["x"]),
