@@ -17,7 +17,6 @@ by the global norm (``torch.nn.utils.clip_grad_norm_`` would clip each rank by i
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -102,7 +101,7 @@ def _retag(tr, tree, treedef, per: list, shared: int) -> None:
         _vma.tag_result(t, tr, shared, tr.taint & ~shared)
 
 
-def _uniform(fn, *extra):
+def _uniform(fn, *extra) -> _Uniform:
     """``fn``, an optimizer's ``init`` or ``update``, whose results vary only like their operands
     (and the tensors of ``extra``: a tensor ``lr``) after a branch on a varying value in the call
     (`_scalars.taint`), instead of counting as made by the branch: ``fn`` is fshard's, the same
@@ -110,9 +109,22 @@ def _uniform(fn, *extra):
     parameter's update from its fs.value_and_grad gradient, reduced over the data-parallel axes,
     is replicated as the parameter is). The replication check verifies that the ranks' results
     agree (`_checks`): an optimizer a branch chose would give other results."""
+    return _Uniform(fn, extra)
 
-    @functools.wraps(fn)
-    def wrapped(params, *rest):
+
+class _Uniform:
+    """The callable `_uniform` returns: an object rather than a ``functools.wraps`` closure, so that
+    an optimizer built inside a compiled step (``opt = fs.optim.adamw(lr)`` in the step) traces:
+    Dynamo cannot copy a nested function's ``__dict__``."""
+
+    __slots__ = ("fn", "extra", "__wrapped__")
+
+    def __init__(self, fn, extra: tuple):
+        self.fn, self.extra = fn, extra
+        self.__wrapped__ = fn  # (inspect.signature and help() follow it)
+
+    def __call__(self, params, *rest):
+        fn = self.fn
         tr = _vma.active()
         if tr is None or not tr.taint:
             return fn(params, *rest)
@@ -120,7 +132,7 @@ def _uniform(fn, *extra):
         per = [0] * treedef.num_leaves
         shared = 0
         with untracked():  # (fshard's bookkeeping, unseen by the tracking mode)
-            for x in extra:
+            for x in self.extra:
                 if isinstance(x, torch.Tensor):
                     shared |= _vma.get(x, tr)
             for tree in (params, *rest):
@@ -129,8 +141,6 @@ def _uniform(fn, *extra):
         with untracked():
             _retag(tr, out, treedef, per, shared)
         return out
-
-    return wrapped
 
 
 def _step0(locals_) -> torch.Tensor:

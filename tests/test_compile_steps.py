@@ -642,3 +642,29 @@ def test_compiled_counts_name_the_axes_of_the_traced_collective():
     assert_ok([e for e, _ in got])
     for _, records in got:
         assert records == [("all_reduce", ("dp",))], records
+
+
+def test_an_optimizer_built_inside_a_compiled_step_with_a_tensor_lr_compiles_once():
+    """``opt = fs.optim.adamw(lr)`` inside the step (as the demo writes it), lr a 0-d tensor that
+    changes every step: one graph over the steps, and eager's parameters and state."""
+    import fshard as fs
+
+    def step(params, grads, state, lr):
+        opt = fs.optim.adamw(lr, weight_decay=0.01)
+        return opt.update(params, grads, state)
+
+    backend, stats = compile_counter()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    state = fs.optim.adamw(0.1).init(params)
+    eager_p, eager_s = params, state
+    for i in range(6):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        lr = torch.tensor(1e-2 * (i + 1))
+        params, state = compiled(params, grads, state, lr)
+        eager_p, eager_s = step(eager_p, grads, eager_s, lr)
+        for k in params:
+            torch.testing.assert_close(params[k], eager_p[k], rtol=1e-6, atol=1e-6)
+    assert int(state["step"]) == int(eager_s["step"]) == 6
+    assert stats["graphs"] == 1, stats

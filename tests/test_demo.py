@@ -135,6 +135,19 @@ def test_fsdp_layouts_follow_the_same_loss_curve(uninterrupted, tmp_path, layout
 
 
 @pytest.mark.timeout(300)
+def test_the_compiled_step_follows_the_same_loss_curve(uninterrupted, tmp_path):
+    """--compile: the training step (value_and_grad in shard_map, clipping, AdamW) as one graph per
+    rank; aot_eager here (inductor's kernels would cost the suite a minute), the same curve."""
+    ref_dir, _ = uninterrupted
+    text = _run(["-m", "fshard_demo", *TINY, "--compile", "aot_eager", "--out", str(tmp_path)])
+    assert "4 ranks, Mesh(dp=2, tp=2), layout dp_tp" in text
+    ours, ref = _losses(tmp_path), _losses(ref_dir)
+    assert sorted(ours) == list(range(12))
+    for step in ours:
+        assert ours[step] == pytest.approx(ref[step], abs=1e-4), step
+
+
+@pytest.mark.timeout(300)
 def test_resume_at_another_mesh_shape_continues_the_loss_curve(uninterrupted, tmp_path):
     ref_dir, _ = uninterrupted
     first = _run(["-m", "fshard_demo", *TINY, "--out", str(tmp_path), "--stop-after", "6"])

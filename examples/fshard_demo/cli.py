@@ -63,6 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--tolerance", type=float, default=1e-3, help="--check-reference: largest allowed |loss difference|")
     add("--log-every", type=int, default=None, help="progress line every N steps; unset: 10 lines (tty: all)")
+    add(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the training step with fs.compile (backend inductor, or the one named: aot_eager, "
+        "...): the first step compiles (tens of seconds), later steps run the graph, without the "
+        "per-op tracking",
+    )
     add("--profile", type=int, default=0, help="profile N steps and print the time spent in collectives")
     # Internal, for the --check-reference run: its role, first step, and the sharded run's states.
     add("--role", choices=("train", "reference"), default="train", help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -234,6 +235,11 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
     params, specs = init_params(args.seed, cfg, mesh, args.layout)
     state = {"params": params, "opt": fs.optim.adamw(args.lr).init(params)}
     train_step = make_train_step(cfg, mesh, specs, weight_decay=args.weight_decay, clip=args.clip)
+    lr_of = functools.partial(_lr, args=args)
+    if args.compile:  # one graph per rank: the tracking runs once, at trace time
+        train_step = fs.compile(train_step, backend=args.compile)
+        # a tensor learning rate: a float would be a constant of the graph (a recompile per step)
+        lr_of = lambda step: torch.tensor(_lr(step, args))  # noqa: E731
     eval_step = make_eval_step(cfg, mesh, specs)
     metrics = {
         "run": _run_key(args, cfg),
@@ -283,6 +289,8 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
         evaluate(0)
     progress = _Progress(stop, start, args.log_every, show)
     counts = None
+    # (a compiled step is counted with inductor only: fs.count_collectives reads its compiled calls)
+    countable = args.compile in (None, "inductor")
     step_times, cpu_times = [], []
     # --profile N: torch.profiler over N steps (after the first, which plans the shard_map)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
@@ -295,13 +303,15 @@ def train(args, cfg: Config, mesh: fs.Mesh) -> int:
             checkpoint.save(anchors_dir, state, step=step)
         tokens = task.batch(step, args.batch)  # the same global batch on every rank, a function of step
         t0, c0 = time.perf_counter(), time.process_time()
-        counting = counts is None  # count the collectives of the first step (every step has the same)
+        counting = (
+            countable and counts is None
+        )  # count the collectives of the first step (every step has the same)
         profiling = prof is not None and step > start and profiled < args.profile
         if profiling and profiled == 0:
             prof.__enter__()
         with fs.count_collectives() if counting else contextlib.nullcontext() as counted:
             state["params"], state["opt"], loss, _ = train_step(
-                state["params"], state["opt"], tokens, _lr(step, args)
+                state["params"], state["opt"], tokens, lr_of(step)
             )
             loss = float(loss)
         dt = time.perf_counter() - t0
