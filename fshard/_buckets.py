@@ -50,7 +50,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import _comm, _compile, _inflight
+from . import _comm, _compile, _inflight, _state
 from . import _watchdog as _watch
 from ._comm import untracked
 from ._errors import CollectiveError
@@ -72,6 +72,14 @@ _sync = True
 # Unreduced gradients of leaf inputs from calls under `no_sync`: id(input) -> (weak reference to
 # the input, axis group, sum). Keyed by id (tensors compare elementwise), dropped with the input.
 _PENDING: dict = {}
+
+
+@_state.job_state(order=40)
+def _reset() -> None:
+    """A new job: outside any fs.no_sync block, with no gradient an earlier job kept pending."""
+    global _sync
+    _sync = True
+    _PENDING.clear()
 
 
 def _take_pending(leaf):

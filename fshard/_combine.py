@@ -50,7 +50,7 @@ from collections import deque
 
 import torch
 
-from . import _comm, _counts, _reshard, _vma
+from . import _comm, _counts, _reshard, _state, _vma
 from . import _watchdog as _watch
 from ._comm import untracked
 from ._primitives import (
@@ -600,6 +600,7 @@ class AllReduceInto(torch.autograd.Function):
 _in_flight: deque = deque()  # `Early` reduce-scatters launched and not yet waited for (one process)
 
 
+@_state.job_state(order=20)
 def reset() -> None:
     """Forget the backward reduce-scatters an earlier job left in flight (a pool rank between jobs)."""
     _in_flight.clear()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _state
 from ._mesh import AxisGroup
 
 __all__ = ["count_collectives", "CollectiveCounts"]  # the public part; the rest is internal
@@ -76,6 +77,14 @@ _recorders: list[CollectiveCounts] = []
 compiled_counted = False
 """True while an ``fs.compile``'d function runs with the inductor backend, whose graphs count their
 collectives themselves (``_graph_counts``): traced code then does not look at `_recorders`."""
+
+
+@_state.job_state(order=40)
+def _reset() -> None:
+    """A new job: no recorder an earlier job entered and never exited counts its collectives."""
+    global compiled_counted
+    _recorders.clear()
+    compiled_counted = False
 
 
 def counting_refused() -> bool:

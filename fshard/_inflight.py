@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from . import _state
+
 __all__: list[str] = []
 
 _compiling = torch.compiler.is_compiling
@@ -82,6 +84,7 @@ def drain(name: str) -> None:
             f.drain()
 
 
+@_state.job_state(order=30)
 def forget() -> None:
     """Drop every drain (a pool rank between jobs: an earlier job's collectives are not waited for)."""
     _PENDING.clear()

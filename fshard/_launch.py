@@ -94,12 +94,12 @@ def _reread_environment() -> None:
 def _run_job(data: bytes) -> bytes:
     """Unpickle ``(fn, args, kwargs)``, call it, and return the pickled reply."""
     try:
-        from . import _combine, _inflight, _vma, _watchdog
+        from . import _state
 
-        _watchdog.reset()  # a job starts in step on every rank: collective sequence numbers from 1
-        _vma.reset()  # and outside any shard_map, whatever an earlier job left (no tracking mode)
-        _combine.reset()  # no backward reduce-scatter of an earlier job left to wait for
-        _inflight.forget()  # nor any other collective it left in flight
+        # Every rank starts the job in step (collective sequence numbers from 1), outside any
+        # shard_map (no tracking mode), with nothing an earlier job left in flight or pending:
+        # the resets the modules registered beside their state (`_state`).
+        _state.new_job()
         fn, args, kwargs = pickle.loads(data)
         return pickle.dumps(("ok", fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as exc:  # SystemExit too: a rank must always answer

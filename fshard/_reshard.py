@@ -34,7 +34,7 @@ import contextlib
 
 import torch
 
-from . import _comm, _counts, _vma
+from . import _comm, _counts, _state, _vma
 from ._comm import untracked
 from ._errors import ArgumentError
 from ._primitives import (
@@ -62,6 +62,12 @@ __all__ = [
 
 _ATTR = "_fshard_regather"
 _scopes: list = []
+
+
+@_state.job_state(order=40)
+def _reset() -> None:
+    """A new job: no gather-again scope an earlier job left open."""
+    _scopes.clear()
 
 
 def active() -> bool:

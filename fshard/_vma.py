@@ -20,7 +20,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _compile, _shapes
+from . import _compile, _shapes, _state
 from ._comm import untracked
 from ._errors import CollectiveError, TracingError
 from ._mesh import Mesh
@@ -181,10 +181,10 @@ def active() -> Trace | None:
     return _stack[-1] if _stack else None
 
 
+@_state.job_state(order=10)
 def reset() -> int:
-    """End whatever shard_map state a previous job left on this process (a pool rank between
-    jobs): running traces, with their queued collectives, and `VmaMode` instances left on torch's
-    mode stack. Returns how many were ended (0 when the process was clean)."""
+    """End the traces (and their queued collectives) and `VmaMode`s on torch's mode stack that an
+    earlier job left (a pool rank, `_state`); returns how many were ended (0: the process was clean)."""
     ended = 0
     while _stack:
         tr = _stack[-1]

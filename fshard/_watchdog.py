@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _state as _jobs
 from ._errors import CollectiveError, is_comm_error
 
 _F = torch.ops._c10d_functional
@@ -100,6 +101,7 @@ class _State:
 S = _State()
 
 
+@_jobs.job_state(order=0)
 def reset() -> None:
     """Forget the sequence counters (a new job on a pool rank: every rank starts in step)."""
     S.seqs.clear()

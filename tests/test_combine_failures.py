@@ -86,3 +86,62 @@ def test_the_pool_ends_what_an_earlier_job_left_open():
     assert run_ranks(2, _rank_state) == [(0, [])] * 2
     X = torch.randn(16, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64).float()
     assert_ok(run_ranks(2, _rank_forms, {"dp": 2}, X))
+
+
+_KEPT: list = []
+
+
+def _rank_leaves_no_sync_and_a_counter_open():
+    """A job that enters fs.no_sync and fs.count_collectives and never leaves them, with a
+    gradient kept pending: what a job that raised inside both would leave."""
+    from fshard import _buckets, _counts
+
+    mesh = fs.Mesh(dp=2)
+    w = torch.ones(3, requires_grad=True)
+    fs.no_sync().__enter__()
+    counter = fs.count_collectives()
+    counter.__enter__()
+    _KEPT.append(counter)  # (a generator closed by the garbage collector would leave by itself)
+    f = fs.shard_map(
+        lambda w, x: fs.psum((w * x).sum(), "dp"), mesh=mesh, in_specs=("...", "(dp b) d"), out_specs=""
+    )
+    f(w, torch.ones(4, 3)).backward()
+    return _buckets._sync, len(_buckets._PENDING), len(_counts._recorders), w  # (w kept alive)
+
+
+def _rank_a_step_after_it():
+    """The next job's step: reduced at once (no no_sync left on), counted by nothing it did not
+    enter, its gradient that of plain torch."""
+    from fshard import _buckets, _counts
+
+    state = (_buckets._sync, len(_buckets._PENDING), len(_counts._recorders))
+    mesh = fs.Mesh(dp=2)
+    w = torch.ones(3, requires_grad=True)
+    x = torch.arange(12.0).reshape(4, 3)
+    f = fs.shard_map(
+        lambda w, x: fs.psum((w * x).sum(), "dp"), mesh=mesh, in_specs=("...", "(dp b) d"), out_specs=""
+    )
+    with fs.count_collectives() as counts:
+        f(w, x).backward()
+    from fshard import _state
+
+    return state, w.grad.tolist(), counts.total, _state.registered()
+
+
+def test_a_new_job_starts_outside_what_an_earlier_job_left_entered():
+    left = run_ranks(2, _rank_leaves_no_sync_and_a_counter_open)
+    assert [r[:3] for r in left] == [(False, 1, 1)] * 2
+    after = run_ranks(2, _rank_a_step_after_it)
+    want = torch.arange(12.0).reshape(4, 3).sum(0).tolist()  # plain torch: d/dw sum(w * x)
+    for state, grad, total, _ in after:
+        assert state == (True, 0, 0)
+        assert grad == want
+        assert total >= 1  # the gradient's all-reduce, seen by this job's own counter
+    names = after[0][3]  # the resets a pool rank runs before each job, in their order
+    assert names[:4] == [
+        "fshard._watchdog.reset",
+        "fshard._vma.reset",
+        "fshard._combine.reset",
+        "fshard._inflight.forget",
+    ], names
+    assert {"fshard._buckets._reset", "fshard._counts._reset", "fshard._reshard._reset"} <= set(names)
