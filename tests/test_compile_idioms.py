@@ -5,8 +5,9 @@ around a psum inside ``fs.remat`` with Dynamo's checkpoint setting left as it wa
 ``skip_fwd_side_effects_in_bwd_under_checkpoint`` itself while tracing the region; it raised a
 TracingError asking the user to), and ``fs.axis_index(axis).item()`` (a tracked int, which Dynamo
 traced through ``int.__int__`` and lost: "'VaryingInt' object has no attribute '_fshard_vma'"; each
-rank's graph now holds its own index, tracked as in eager). Values and gradients of a weighted sum,
-on a 2-axis mesh. Then what stays refused of a tracked int in a compiled call, with eager's
+rank's graph now holds its own index, tracked as in eager), a weight used twice, and ring attention
+(keys and values passed around the dp ring by ``fs.ppermute``). Values and gradients of a weighted
+sum, on a 2-axis mesh. Then what stays refused of a tracked int in a compiled call, with eager's
 counterpart: a Python branch on it (eager taints the call, so a replicated out_spec refuses the
 value it made), and ``.item()`` of an integer tensor the graph computes (eager tracks it).
 """
@@ -37,6 +38,23 @@ def _by_index_ref(W, X):
     return torch.cat([torch.cat([b[:i] * i, b[i:] * (i + 1) / 3]) for i, b in enumerate(blocks)])
 
 
+def _ring_attention(w, x):
+    """Attention of this rank's rows over every row of the batch, the keys and values passed
+    around the dp ring with ``fs.ppermute`` (ring attention): each step's scores and values kept,
+    one softmax over all of them."""
+    import fshard as fs
+
+    n = fs.axis_size("dp")
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    q, k, v = x @ w, x, x
+    scores, values = [q @ k.T], [v]
+    for _ in range(n - 1):
+        k, v = fs.ppermute(k, "dp", ring), fs.ppermute(v, "dp", ring)
+        scores.append(q @ k.T)
+        values.append(v)
+    return torch.softmax(torch.cat(scores, -1), -1) @ torch.cat(values)
+
+
 def _rank_idioms():
     import fshard as fs
 
@@ -53,6 +71,9 @@ def _rank_idioms():
         ),
         # a tracked int: each rank's graph holds its own index; its arithmetic, psum and slices
         "axis_index().item()": (_by_index, _by_index_ref),
+        # one weight used twice (a Dynamo guard on w.T once failed: ___check_obj_id(args[1].T, ...))
+        "a weight used twice": (lambda w, x: (x @ w) @ w.T, lambda W, X: (X @ W) @ W.T),
+        "ring attention over dp": (_ring_attention, lambda W, X: torch.softmax((X @ W) @ X.T, -1) @ X),
     }
     W, X = randn(0, D, D) / 2, randn(1, ROWS, D)
     weights = torch.linspace(0.5, 1.5, ROWS * D).view(ROWS, D)
