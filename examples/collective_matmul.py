@@ -14,6 +14,7 @@ Run from the repository root (with fshard installed: ``pip install -e .``)::
 
     python -m fshard.run -n 4 examples/collective_matmul.py
     torchrun --nproc-per-node 4 examples/collective_matmul.py
+    python -m fshard.run -n 4 examples/collective_matmul.py --compile   # both versions compiled (inductor)
 
 The script checks both versions (values and gradients) against plain single-process
 torch on the global tensors, and exits non-zero if they disagree. ``--time`` also
@@ -21,6 +22,7 @@ times the ring's forward with and without the overlap on larger matrices.
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -64,6 +66,14 @@ def main():
     parser.add_argument("--n", type=int, default=16, help="columns of w (divisible by the world size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time", action="store_true", help="time the ring with and without overlap")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the step with fs.compile (inductor, or the backend named: aot_eager, ...)",
+    )
     args = parser.parse_args()
 
     fs.init()
@@ -83,31 +93,37 @@ def main():
     ref = xr @ wr
     (ref * ct).sum().backward()
 
+    counting = args.compile in (None, "inductor")  # fs.count_collectives counts inductor's graphs only
+    count = fs.count_collectives if counting else contextlib.nullcontext
+
     def loss_fn(x, w, matmul):
         return dot(matmul(x, w), cts)
 
     for name, fn in [("all_gather", gather_matmul), ("ppermute ring", ring_matmul)]:
         matmul = fs.shard_map(fn, mesh=mesh, in_specs=("(tp b) k", "k (tp n)"), out_specs="b (tp n)")
-        with fs.count_collectives() as fwd:
+        if args.compile:  # traced on the first call, again for the call that needs gradients
+            matmul = fs.compile(matmul, backend=args.compile)
+        with count() as fwd:
             y = matmul(xs, ws)
-        with fs.count_collectives() as both:
+        with count() as both:
             loss, (gx, gw) = fs.value_and_grad(loss_fn, argnums=(0, 1))(xs, ws, matmul)
         check(f"{name}: y", y.full(), ref.detach())
         check(f"{name}: loss", loss, (ref * ct).sum().detach())
         check(f"{name}: dloss/dx", gx.full(), xr.grad)
         check(f"{name}: dloss/dw", gw.full(), wr.grad)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and counting:
             print(f"{name:>13}: forward {fwd}")
             print(f"{'':>13}  loss, forward and backward {both}")
 
     if dist.get_rank() == 0:
         print(f"collective_matmul: OK (tp={mesh.size}) both versions match the single-process reference")
     if args.time:
-        time_ring(mesh)
+        time_ring(mesh, args.compile)
 
 
-def time_ring(mesh, rows=4096, k=1024, n=1024, rounds=7):
-    """Median forward time of the ring with the transfers overlapped and not, interleaved."""
+def time_ring(mesh, backend=None, rows=4096, k=1024, n=1024, rounds=7):
+    """Median forward time of the ring with the transfers overlapped and not, interleaved; compiled
+    with ``backend`` if one is named (the first call of each, which compiles it, is not timed)."""
     import time
 
     gen = torch.Generator().manual_seed(1)
@@ -122,8 +138,13 @@ def time_ring(mesh, rows=4096, k=1024, n=1024, rounds=7):
         )
         for overlap in (False, True)
     }
+    if backend:
+        fns = {overlap: fs.compile(fn, backend=backend) for overlap, fn in fns.items()}
     times: dict = {False: [], True: []}
     with torch.no_grad():
+        if backend:
+            for fn in fns.values():
+                fn(xs, ws)  # traced and compiled here, not timed
         for _ in range(rounds):
             for overlap, fn in fns.items():
                 dist.barrier()

@@ -12,14 +12,17 @@ Run from the repository root (with fshard installed: ``pip install -e .``)::
 
     python -m fshard.run -n 4 examples/data_parallel.py
     torchrun --nproc-per-node 4 examples/data_parallel.py
+    python -m fshard.run -n 4 examples/data_parallel.py --compile   # the step compiled (inductor)
 
 The script trains for a few steps and checks every loss and the final parameters
 against the same training in plain single-process torch (torch.optim.SGD on the
 global batch), and exits non-zero if they disagree. It also checks that a step
-issues exactly two all-reduces: one for the loss and one for all the gradients.
+issues exactly two all-reduces: one for the loss and one for all the gradients
+(compiled by inductor, one: the loss travels in the gradients' bucket).
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -64,6 +67,14 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the step with fs.compile (inductor, or the backend named: aot_eager, ...)",
+    )
     args = parser.parse_args()
 
     fs.init()
@@ -81,6 +92,8 @@ def main():
     step = fs.shard_map(
         train_step, mesh=mesh, in_specs=("...", "...", "(dp b) d", "(dp b)"), out_specs=("...", "...", "")
     )
+    if args.compile:
+        step = fs.compile(step, backend=args.compile)  # traced on the first call, one graph after that
 
     params = init_params(args.seed, args.d, args.hidden, args.classes)
     opt_state = opt.init(params)
@@ -89,23 +102,25 @@ def main():
     ref = {k: v.clone().requires_grad_() for k, v in params.items()}
     ref_opt = torch.optim.SGD(list(ref.values()), lr=args.lr, momentum=0.9)
 
-    # One all-reduce for the loss and one bucket for every gradient (none on a 1-rank mesh).
-    expected = {("all_reduce", ("dp",)): 2} if mesh.size > 1 else {}
+    # One all-reduce for the loss and one bucket for every gradient (none on a 1-rank mesh);
+    # compiled by inductor, the loss travels in the gradients' bucket: one all-reduce in all.
+    expected = {("all_reduce", ("dp",)): 1 if args.compile else 2} if mesh.size > 1 else {}
+    counting = args.compile in (None, "inductor")  # fs.count_collectives counts inductor's graphs only
     data = torch.Generator().manual_seed(args.seed + 1)
     for i in range(args.steps):
         x = torch.randn(args.batch, args.d, generator=data)  # the global batch, the same on every rank
         labels = torch.randint(args.classes, (args.batch,), generator=data)
-        with fs.count_collectives() as counts:
+        with fs.count_collectives() if counting else contextlib.nullcontext() as counts:
             params, opt_state, loss = step(params, opt_state, x, labels)
         ref_opt.zero_grad()
         ref_loss = mlp_loss(ref, x, labels)
         ref_loss.backward()
         ref_opt.step()
         check(f"loss at step {i}", loss, ref_loss.detach())
-        if counts.by_kind() != expected:
+        if counting and counts.by_kind() != expected:
             sys.exit(f"rank {dist.get_rank()}: expected collectives {expected} per step, got {counts}")
         if dist.get_rank() == 0:
-            print(f"step {i}: loss {loss.item():.4f}  collectives {counts}")
+            print(f"step {i}: loss {loss.item():.4f}" + (f"  collectives {counts}" if counting else ""))
     for k in params:
         check(f"{k} after {args.steps} steps", params[k], ref[k].detach())
 

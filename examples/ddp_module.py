@@ -16,13 +16,15 @@ The module's parameters reach the loss in one of two ways. By default they are a
 call, ``dict(model.named_parameters())``, used with ``torch.func.functional_call``: their
 gradient all-reduces are then bucketed (one collective for all of them, per step). With
 ``--closure`` the loss calls ``model(x)``, capturing the parameters by closure: the gradients
-are the same, but each parameter gets its own all-reduce.
+are the same, but each parameter gets its own all-reduce (compiled by inductor, both forms
+bucket the gradients' all-reduces).
 
 Run from the repository root (with fshard installed: ``pip install -e .``)::
 
     python -m fshard.run -n 4 examples/ddp_module.py
     torchrun --nproc-per-node 4 examples/ddp_module.py
     python -m fshard.run -n 2 examples/ddp_module.py --closure
+    python -m fshard.run -n 4 examples/ddp_module.py --compile   # the loss and its backward compiled
 
 The script checks every loss and the final parameters against the same program in one process
 (the same model, optimizer and global batches: each step's batches of all the ranks together),
@@ -30,6 +32,7 @@ and the collectives of every step; it exits non-zero if anything disagrees.
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -72,7 +75,7 @@ def prepare_dataloader(dataset, batch_size, replicas, rank, seed):
 class Trainer:
     """The tutorial's Trainer: one ``_run_batch`` per batch, ``set_epoch`` per epoch."""
 
-    def __init__(self, model, train_data, optimizer, mesh, closure):
+    def __init__(self, model, train_data, optimizer, mesh, closure, backend=None):
         self.model, self.train_data, self.optimizer, self.mesh = model, train_data, optimizer, mesh
         if closure:  # the parameters are captured by the closure: one all-reduce each
 
@@ -90,8 +93,13 @@ class Trainer:
                 loss_fn, mesh=mesh, in_specs=("...", "(dp b) d", "(dp b) o"), out_specs=""
             )
             self.inputs = lambda x, y: (dict(model.named_parameters()), x, y)
+        if backend:  # the loss compiled (traced on the first call), its backward with it
+            self.loss_fn = fs.compile(self.loss_fn, backend=backend)
+        self.counting = backend in (None, "inductor")  # fs.count_collectives counts inductor's graphs only
         n = len(list(model.parameters()))
         per_step = 1 + (n if closure else 1)  # the loss, then the gradients
+        if backend:  # inductor buckets the compiled backward's all-reduces, closure or not
+            per_step = 2
         self.expected = {("all_reduce", ("dp",)): per_step} if mesh.size > 1 else {}
         self.losses = []
 
@@ -99,11 +107,11 @@ class Trainer:
         x = fs.Sharded.from_local(source, self.mesh, "(dp b) d")  # this rank's rows of the global batch
         y = fs.Sharded.from_local(targets, self.mesh, "(dp b) o")
         self.optimizer.zero_grad()
-        with fs.count_collectives() as counts:
+        with fs.count_collectives() if self.counting else contextlib.nullcontext() as counts:
             loss = self.loss_fn(*self.inputs(x, y))  # the mean loss over the global batch
             loss.backward()  # the gradients of the parameters, summed over dp: the same on every rank
         self.optimizer.step()
-        if counts.by_kind() != self.expected:
+        if self.counting and counts.by_kind() != self.expected:
             sys.exit(f"rank {dist.get_rank()}: expected collectives {self.expected} per step, got {counts}")
         self.losses.append(loss.detach())
 
@@ -146,6 +154,14 @@ def main():
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--closure", action="store_true", help="capture the parameters by closure")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the step with fs.compile (inductor, or the backend named: aot_eager, ...)",
+    )
     args = parser.parse_args()
 
     fs.init()
@@ -154,7 +170,7 @@ def main():
     train_data = prepare_dataloader(
         dataset, args.batch, mesh.axis_size("dp"), mesh.axis_index("dp"), args.seed
     )
-    trainer = Trainer(model, train_data, optimizer, mesh, args.closure)
+    trainer = Trainer(model, train_data, optimizer, mesh, args.closure, args.compile)
     trainer.train(args.epochs)
 
     ref_losses, ref_model = reference(args, mesh.axis_size("dp"))

@@ -12,6 +12,7 @@ Run from the repository root (with fshard installed: ``pip install -e .``)::
 
     python -m fshard.run -n 4 examples/fsdp_tp.py              # dp=2, tp=2
     torchrun --nproc-per-node 4 examples/fsdp_tp.py
+    python -m fshard.run -n 4 examples/fsdp_tp.py --compile    # loss and gradients compiled (inductor)
 
 The script trains a few steps and checks every loss and the final parameters against
 plain single-process torch (torch.optim.AdamW on the global batch), and exits
@@ -19,6 +20,7 @@ non-zero if they disagree.
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -62,6 +64,14 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the step with fs.compile (inductor, or the backend named: aot_eager, ...)",
+    )
     args = parser.parse_args()
 
     fs.init()
@@ -83,12 +93,16 @@ def main():
     ref = {k: v.clone().requires_grad_() for k, v in global_params.items()}
     ref_opt = torch.optim.AdamW(list(ref.values()), lr=args.lr)
 
+    loss_and_grads = fs.value_and_grad(loss_fn)
+    if args.compile:
+        loss_and_grads = fs.compile(loss_and_grads, backend=args.compile)  # traced on the first call
+    counting = args.compile in (None, "inductor")  # fs.count_collectives counts inductor's graphs only
     data = torch.Generator().manual_seed(args.seed + 1)
     for i in range(args.steps):
         x = torch.randn(args.batch, args.d, generator=data)  # the global batch, the same on every rank
         labels = torch.randint(args.classes, (args.batch,), generator=data)
-        with fs.count_collectives() as counts:
-            loss, grads = fs.value_and_grad(loss_fn)(params, x, labels)
+        with fs.count_collectives() if counting else contextlib.nullcontext() as counts:
+            loss, grads = loss_and_grads(params, x, labels)
         params, opt_state = opt.update(params, grads, opt_state)
         ref_opt.zero_grad()
         ref_loss = F.cross_entropy(F.gelu(x @ ref["w1"] + ref["b1"]) @ ref["w2"] + ref["b2"], labels)
@@ -96,7 +110,7 @@ def main():
         ref_opt.step()
         check(f"loss at step {i}", loss, ref_loss.detach())
         if dist.get_rank() == 0:
-            print(f"step {i}: loss {loss.item():.4f}  collectives {counts}")
+            print(f"step {i}: loss {loss.item():.4f}" + (f"  collectives {counts}" if counting else ""))
     for k in params:
         check(f"{k} after {args.steps} steps", params[k].full(), ref[k].detach())
 

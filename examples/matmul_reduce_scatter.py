@@ -17,12 +17,14 @@ Run from the repository root (with fshard installed: ``pip install -e .``)::
 
     python -m fshard.run -n 4 examples/matmul_reduce_scatter.py
     torchrun --nproc-per-node 4 examples/matmul_reduce_scatter.py
+    python -m fshard.run -n 4 examples/matmul_reduce_scatter.py --compile   # both compiled (inductor)
 
 The script checks both versions (values and gradients) against plain single-process
 torch on the global tensors, and exits non-zero if they disagree.
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -47,6 +49,14 @@ def main():
     parser.add_argument("--k", type=int, default=64, help="contraction dim (divisible by the world size)")
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the step with fs.compile (inductor, or the backend named: aot_eager, ...)",
+    )
     args = parser.parse_args()
 
     fs.init()
@@ -78,11 +88,16 @@ def main():
         lambda y, c: fs.psum((y * c).sum(), "tp"), mesh=mesh, in_specs=("(tp b) n", "(tp b) n"), out_specs=""
     )
 
+    versions = [("psum_scatter", matmul_explicit), ("out_spec | sum(tp)", matmul_declarative)]
+    if args.compile:  # each traced on its first call, again for the call that needs gradients
+        versions = [(name, fs.compile(fn, backend=args.compile)) for name, fn in versions]
+    counting = args.compile in (None, "inductor")  # fs.count_collectives counts inductor's graphs only
+
     def loss_fn(x, w, matmul):
         return dot(matmul(x, w), cts)
 
-    for name, matmul in [("psum_scatter", matmul_explicit), ("out_spec | sum(tp)", matmul_declarative)]:
-        with fs.count_collectives() as counts:
+    for name, matmul in versions:
+        with fs.count_collectives() if counting else contextlib.nullcontext() as counts:
             y = matmul(xs, ws)  # Sharded: global shape (batch, n), local (batch / tp, n)
         loss, (gx, gw) = fs.value_and_grad(loss_fn, argnums=(0, 1))(xs, ws, matmul)
         check(f"{name}: y", y.full(), ref.detach())  # .full() gathers (for the check only)
@@ -90,7 +105,8 @@ def main():
         check(f"{name}: dloss/dx", gx.full(), xr.grad)
         check(f"{name}: dloss/dw", gw.full(), wr.grad)
         if dist.get_rank() == 0:
-            print(f"{name:>20}: y {y.spec!r} local {tuple(y.local.shape)}, forward collectives: {counts}")
+            seen = f", forward collectives: {counts}" if counting else ""
+            print(f"{name:>20}: y {y.spec!r} local {tuple(y.local.shape)}{seen}")
 
     if dist.get_rank() == 0:
         print(f"matmul_reduce_scatter: OK (tp={mesh.size}) both versions match the single-process reference")

@@ -15,6 +15,7 @@ Run from the repository root (with fshard installed: ``pip install -e .``)::
 
     python -m fshard.run -n 4 examples/moe.py
     torchrun --nproc-per-node 4 examples/moe.py
+    python -m fshard.run -n 4 examples/moe.py --compile   # loss and gradients compiled (inductor)
 
 The script trains a few steps with SGD and checks the outputs, the losses, the
 gradients and the final parameters against a token-by-token loop in plain
@@ -22,6 +23,7 @@ single-process torch, and exits non-zero if they disagree.
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -85,6 +87,14 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the step with fs.compile (inductor, or the backend named: aot_eager, ...)",
+    )
     args = parser.parse_args()
 
     fs.init()
@@ -110,9 +120,13 @@ def main():
 
     # Single-process reference: the token-by-token loop on the global tensors.
     ref = {k: v.clone().requires_grad_() for k, v in global_params.items()}
+    loss_and_grads = fs.value_and_grad(loss_fn, has_aux=True)
+    if args.compile:
+        loss_and_grads = fs.compile(loss_and_grads, backend=args.compile)  # traced on the first call
+    counting = args.compile in (None, "inductor")  # fs.count_collectives counts inductor's graphs only
     for i in range(args.steps):
-        with fs.count_collectives() as counts:
-            (loss, (y, dropped)), grads = fs.value_and_grad(loss_fn, has_aux=True)(params, x, target)
+        with fs.count_collectives() if counting else contextlib.nullcontext() as counts:
+            (loss, (y, dropped)), grads = loss_and_grads(params, x, target)
         ref_y = reference_moe(ref, x, mesh.size, args.capacity)
         ref_loss = (ref_y - target).square().mean()
         ref_grads = torch.autograd.grad(ref_loss, list(ref.values()))
@@ -125,9 +139,8 @@ def main():
             for v, g in zip(ref.values(), ref_grads):
                 v -= args.lr * g
         if dist.get_rank() == 0:
-            print(
-                f"step {i}: loss {loss.item():.4f}  dropped {dropped.item():.0%} of tokens  collectives {counts}"
-            )
+            seen = f"  collectives {counts}" if counting else ""
+            print(f"step {i}: loss {loss.item():.4f}  dropped {dropped.item():.0%} of tokens{seen}")
     for k in params:
         check(f"{k} after {args.steps} steps", params[k].full(), ref[k].detach())
 

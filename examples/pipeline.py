@@ -19,12 +19,14 @@ Run from the repository root (with fshard installed: ``pip install -e .``)::
 
     python -m fshard.run -n 4 examples/pipeline.py
     torchrun --nproc-per-node 4 examples/pipeline.py
+    python -m fshard.run -n 4 examples/pipeline.py --compile   # loss and gradients compiled (inductor)
 
 The script trains a few steps with SGD and checks every loss and each stage's final parameters
 against the plain sequential model in single-process torch, and exits non-zero if they disagree.
 """
 
 import argparse
+import contextlib
 import functools
 import sys
 
@@ -125,6 +127,14 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the step with fs.compile (inductor, or the backend named: aot_eager, ...)",
+    )
     args = parser.parse_args()
 
     fs.init()
@@ -146,9 +156,13 @@ def main():
     ref_leaves = [t.requires_grad_() for p in ref for t in torch.utils._pytree.tree_leaves(p)]
     ref_opt = torch.optim.SGD(ref_leaves, lr=args.lr)
 
+    loss_and_grads = fs.value_and_grad(pipe)
+    if args.compile:
+        loss_and_grads = fs.compile(loss_and_grads, backend=args.compile)  # traced on the first call
+    counting = args.compile in (None, "inductor")  # fs.count_collectives counts inductor's graphs only
     for i in range(args.steps):
-        with fs.count_collectives() as counts:
-            loss, grads = fs.value_and_grad(pipe)(params, tokens, targets)
+        with fs.count_collectives() if counting else contextlib.nullcontext() as counts:
+            loss, grads = loss_and_grads(params, tokens, targets)
         params, opt_state = opt.update(params, grads, opt_state)  # PerRank in, PerRank out
         ref_opt.zero_grad()
         ref_loss = reference_loss(ref, tokens, targets)
@@ -156,7 +170,7 @@ def main():
         ref_opt.step()
         check(f"loss at step {i}", loss, ref_loss.detach())
         if dist.get_rank() == 0:
-            print(f"step {i}: loss {loss.item():.4f}  collectives {counts}")
+            print(f"step {i}: loss {loss.item():.4f}" + (f"  collectives {counts}" if counting else ""))
     s = params.index  # this rank's stage: compared with the reference's stage s, nothing gathered
     mine = torch.utils._pytree.tree_leaves(params.tree)
     want = torch.utils._pytree.tree_leaves(ref[s])

@@ -17,12 +17,14 @@ Run from the repository root (with fshard installed: ``pip install -e .``)::
 
     python -m fshard.run -n 4 examples/tensor_parallel_block.py
     torchrun --nproc-per-node 4 examples/tensor_parallel_block.py
+    python -m fshard.run -n 4 examples/tensor_parallel_block.py --compile   # the block compiled (inductor)
 
 The script checks the output and the gradients of every parameter and of x against
 the single-process reference, and exits non-zero if they disagree.
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -83,6 +85,14 @@ def main():
     parser.add_argument("--head-dim", type=int, default=4)
     parser.add_argument("--ffn", type=int, default=32, help="divisible by the world size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile the step with fs.compile (inductor, or the backend named: aot_eager, ...)",
+    )
     args = parser.parse_args()
 
     fs.init()
@@ -93,6 +103,9 @@ def main():
         in_specs=(PARAM_SPECS, "b s d"),
         out_specs="b s d",
     )
+    if args.compile:  # traced on the first call, again for the call without gradients
+        tp_block = fs.compile(tp_block, backend=args.compile)
+    counting = args.compile in (None, "inductor")  # fs.count_collectives counts inductor's graphs only
 
     gen = torch.Generator().manual_seed(args.seed)
     sizes = {"d": args.d, "hd": args.heads * args.head_dim, "f": args.ffn}
@@ -107,7 +120,7 @@ def main():
     def loss_fn(p, x):
         return (tp_block(p, x) * ct).sum()
 
-    with fs.count_collectives() as counts:
+    with fs.count_collectives() if counting else contextlib.nullcontext() as counts:
         loss, (grads, gx) = fs.value_and_grad(loss_fn, argnums=(0, 1))(params, x)
     y = tp_block(params, x)
 
@@ -124,7 +137,8 @@ def main():
         check(f"dloss/d{k}", grads[k].full(), ref[k].grad)
 
     if dist.get_rank() == 0:
-        print(f"forward and backward: {counts}")
+        if counting:
+            print(f"forward and backward: {counts}")
         print(
             f"tensor_parallel_block: OK (tp={mesh.size}, {args.heads} heads) output and gradients "
             f"match the single-process reference"

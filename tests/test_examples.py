@@ -12,6 +12,11 @@ exactly as a user runs it, through the launcher in fresh processes::
     python -m fshard.run -n 4 examples/NAME.py [small flags]   # from the repository root
 
 and every example is checked to call its ``main()`` when run as a script.
+
+A few examples also run with ``--compile`` (their step compiled by ``fs.compile``), with the same
+checks against their reference: ``aot_eager`` on a representative subset and the default
+``inductor`` on one small world, whose count of the compiled collectives the example checks too.
+Each costs Dynamo's tracing on every rank, so the subset is kept small.
 """
 
 from __future__ import annotations
@@ -52,10 +57,29 @@ CASES = [
     ("data_parallel", 1, ["--steps", "2"]),  # a 1-rank world: no collectives at all
     ("hf_gpt2", 2, ["--steps", "2"]),  # transformers' GPT-2, data parallel, padded batches
     ("hf_gpt2", 4, ["--steps", "2", "--layout", "fsdp"]),  # FSDP, the vocabulary split unevenly
+    # compiled (fs.compile; `--compile [BACKEND]` last): the same checks, the step one graph per rank
+    ("data_parallel", 2, ["--steps", "2", "--compile", "aot_eager"]),  # the whole step, the update inside
+    ("tensor_parallel_mlp", 4, ["--compile", "aot_eager"]),  # the shard_map'd MLP, forward and backward
+    ("fsdp", 4, ["--steps", "2", "--compile", "aot_eager"]),  # value_and_grad of an fs.fsdp_scan loss
+    ("pipeline", 4, ["--steps", "2", "--layers-per-stage", "1", "--compile", "aot_eager"]),  # fs.switch
+    ("ddp_module", 2, ["--epochs", "1", "--closure", "--compile"]),  # inductor: its collectives counted
+]
+# Examples whose step does not compile yet: --compile exits at once with a line saying why.
+NOT_COMPILED = [
+    ("per_example_dp_sgd", 2, ["--compile", "aot_eager"], "torch.func transforms"),
+    ("hf_gpt2", 4, ["--layout", "fsdp", "--compile"], "uneven blocks"),  # 250 rows over 4 ranks
 ]
 # Run through `python -m fshard.run` in fresh processes, as the example's docstring says.
 LAUNCHED = ("matmul_psum", 4, [])
 ALL_CASES = [LAUNCHED, *CASES]
+
+
+def _case_id(case) -> str:
+    """``NAME-nRANKS``, and the backend of a compiled case (``--compile [BACKEND]`` comes last)."""
+    name, nprocs, flags = case
+    if "--compile" not in flags:
+        return f"{name}-n{nprocs}"
+    return f"{name}-n{nprocs}-{(flags[flags.index('--compile') + 1 :] or ['inductor'])[0]}"
 
 
 # --- in the rank pools ------------------------------------------------------------------------------
@@ -68,7 +92,10 @@ def _run_example(name: str, flags: list[str]) -> str:
     command line would set it. ``fs.init()`` finds the pool's process group and keeps it. A
     non-zero ``sys.exit`` (an example's way of reporting a mismatch) is raised as an error, so that
     the pool reports it at once with the script's output instead of the other ranks waiting for
-    this one in a collective. The global RNG is restored afterwards (an example may seed it).
+    this one in a collective. The global RNG is restored afterwards (an example may seed it). With
+    ``--compile``, Dynamo's caches are reset before and after, as in a process of its own: the
+    compiled functions of earlier jobs neither count against its recompile limit nor make its
+    shapes dynamic, and its graphs do not outlive it.
     """
     import torch
 
@@ -81,6 +108,9 @@ def _run_example(name: str, flags: list[str]) -> str:
     saved_argv = sys.argv
     sys.modules[module_name] = module  # as for a script's __main__: pickling, dataclasses
     code: object = 0
+    compiled = "--compile" in flags
+    if compiled:
+        torch._dynamo.reset()
     try:
         spec.loader.exec_module(module)
         sys.argv = [str(path), *flags]
@@ -95,6 +125,8 @@ def _run_example(name: str, flags: list[str]) -> str:
     finally:
         sys.argv = saved_argv
         sys.modules.pop(module_name, None)
+        if compiled:
+            torch._dynamo.reset()
     if code not in (None, 0):
         raise RuntimeError(
             f"examples/{name}.py {' '.join(flags)} exited with {code!r}\n"
@@ -103,10 +135,26 @@ def _run_example(name: str, flags: list[str]) -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize(("name", "nprocs", "flags"), CASES, ids=[f"{c[0]}-n{c[1]}" for c in CASES])
+@pytest.mark.parametrize(("name", "nprocs", "flags"), CASES, ids=[_case_id(c) for c in CASES])
 def test_example_matches_its_reference(name, nprocs, flags):
     outputs = run_ranks(nprocs, _run_example, name, flags)
     assert f"{name}: OK" in outputs[0], f"examples/{name}.py printed no success line on rank 0:\n{outputs[0]}"
+
+
+def _exit_message(name: str, flags: list[str]) -> str | None:
+    """Rank function: what ``examples/NAME.py FLAGS`` exits with (None if it runs to the end). The
+    rank answers instead of failing, so that the pool goes on without a restart."""
+    try:
+        _run_example(name, flags)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(("name", "nprocs", "flags", "why"), NOT_COMPILED, ids=[c[0] for c in NOT_COMPILED])
+def test_example_that_does_not_compile_yet_says_so_at_once(name, nprocs, flags, why):
+    for message in run_ranks(nprocs, _exit_message, name, flags):
+        assert message is not None and f"{name}: --compile" in message and why in message, message
 
 
 # --- as a user runs them ----------------------------------------------------------------------------
