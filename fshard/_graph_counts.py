@@ -13,12 +13,16 @@ autograd split, on the forward and on the backward graph alike:
 3. it appends one call of the ``fshard::count_collectives`` op, whose argument is that list as a
    string: at run time, under ``fs.count_collectives``, the op adds the list to the counts (and
    does nothing otherwise, one op call per graph run). The list lives in the graph's code, so a
-   graph loaded from inductor's cache counts as well.
+   graph loaded from inductor's cache counts as well. A graph with dynamic shapes (a dim that
+   changed between calls) hands in a symbolic number of bytes: the list then says ``$k``, and
+   the op receives the size (the element count of the collective's inputs, times their item size)
+   as its ``k``-th symbolic argument, computed by the graph as it runs.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -50,20 +54,23 @@ _KINDS = {
     # "reduce-overhead" replays the graph around it)
     tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else (),
 )
-def _count(token: torch.Tensor, records: str) -> None:
-    """Add a compiled graph's collectives (``records``, see `_encode`) to the active counts."""
+def _count(token: torch.Tensor, records: str, sizes: list[int]) -> None:
+    """Add a compiled graph's collectives (``records``, see `_encode`; ``sizes``: the bytes that
+    were symbolic when the graph was compiled, in the order of their ``$k``) to the active counts."""
     from ._counts import _recorders
 
     if not _recorders:
         return
     wire, combined = _decode(records)
+    if sizes:
+        wire = [(k, a, sizes[int(n[1:])] if isinstance(n, str) else n) for k, a, n in wire]
     for r in _recorders:
         r.records.extend(wire)
         r.combined.extend(combined)
 
 
 @_count.register_fake
-def _count_fake(token: torch.Tensor, records: str) -> None:
+def _count_fake(token: torch.Tensor, records: str, sizes: list[int]) -> None:
     return None
 
 
@@ -83,15 +90,47 @@ def _decode(records: str) -> tuple[list, list]:
     combined: list = []
     for row in records.split(";") if records else ():
         tag, kind, axes, n = row.split(" ")
-        (wire if tag == "w" else combined).append((kind, tuple(axes.split(",")), int(n)))
+        (wire if tag == "w" else combined).append(
+            (kind, tuple(axes.split(",")), n if n[0] == "$" else int(n))
+        )
     return wire, combined
 
 
-def _bytes(arg: Any) -> int:
+def _bytes(arg: Any) -> Any:
+    """The bytes of a collective's inputs (``arg``: a node or a list of them): an int, or a symbolic
+    one (a ``torch.SymInt``) in a graph with dynamic shapes."""
     if isinstance(arg, (list, tuple)):
         return sum(_bytes(a) for a in arg)
     val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _symbolic(n: Any) -> bool:
+    return isinstance(n, torch.SymInt) and not isinstance(n.node.maybe_as_int(), int)
+
+
+def _size_node(graph: torch.fx.Graph, arg: Any) -> Any:
+    """A node computing the bytes of ``arg`` (a node or a list of them) as the graph runs."""
+    if isinstance(arg, (list, tuple)):
+        parts = [_size_node(graph, a) for a in arg]
+        total = parts[0]
+        for p in parts[1:]:
+            total = _sym_op(graph, operator.add, total, p)
+        return total
+    val = arg.meta["val"]
+    if not _symbolic(val.numel()):
+        return int(val.numel()) * val.element_size()
+    numel = graph.call_function(torch.ops.aten.sym_numel.default, (arg,))
+    numel.meta["val"] = val.numel()
+    return _sym_op(graph, operator.mul, numel, val.element_size())
+
+
+def _sym_op(graph: torch.fx.Graph, op, a: Any, b: Any) -> Any:
+    if not isinstance(a, torch.fx.Node) and not isinstance(b, torch.fx.Node):
+        return op(a, b)
+    node = graph.call_function(op, (a, b))
+    node.meta["val"] = op(*[x.meta["val"] if isinstance(x, torch.fx.Node) else x for x in (a, b)])
+    return node
 
 
 def _collective(node: torch.fx.Node) -> str | None:
@@ -131,7 +170,7 @@ def _read(graph: torch.fx.Graph) -> list:
             kind, nbytes = _permute(node, nbytes)
             if kind is None:
                 continue
-        wire.append((kind, axes, nbytes))
+        wire.append((kind, axes, nbytes, node.args[0] if _symbolic(nbytes) else None))
     return wire
 
 
@@ -168,15 +207,22 @@ class CountingPass(torch._inductor.custom_graph_pass.CustomGraphPass):
         if self.user is not None:
             self.user(graph)
         combined = _bucket(graph, *self.caps) if self.caps is not None else []
-        wire = _read(graph)
-        if not wire:
+        read = _read(graph)
+        if not read:
             return
         token = next(n for n in graph.nodes if _collective(n) is not None).args[0]
         if isinstance(token, (list, tuple)):
             token = token[0]
         out = next(n for n in reversed(graph.nodes) if n.op == "output")
         with graph.inserting_before(out):
-            node = graph.call_function(count_op, (token, _encode(wire, combined)))
+            sizes: list = []  # the symbolic bytes, computed as the graph runs
+            wire = []
+            for kind, axes, nbytes, arg in read:
+                if arg is not None:
+                    nbytes = f"${len(sizes)}"
+                    sizes.append(_size_node(graph, arg))
+                wire.append((kind, axes, nbytes))
+            node = graph.call_function(count_op, (token, _encode(wire, combined), sizes))
             node.meta["val"] = None
 
     def uuid(self) -> Any:
@@ -184,7 +230,7 @@ class CountingPass(torch._inductor.custom_graph_pass.CustomGraphPass):
         caps = None if self.caps is None else [getattr(c, "__qualname__", repr(c)) for c in self.caps]
         # the mesh axes of each process group are written into the graph (its count): a graph from
         # inductor's cache compiled where the same group had other axes must not be reused
-        return ("fshard.count_collectives", 3, caps, user, sorted(_axes().items()))
+        return ("fshard.count_collectives", 4, caps, user, sorted(_axes().items()))
 
 
 def _bucket(graph: torch.fx.Graph, ar_mb, ag_mb, rs_mb) -> list:

@@ -668,3 +668,52 @@ def test_an_optimizer_built_inside_a_compiled_step_with_a_tensor_lr_compiles_onc
             torch.testing.assert_close(params[k], eager_p[k], rtol=1e-6, atol=1e-6)
     assert int(state["step"]) == int(eager_s["step"]) == 6
     assert stats["graphs"] == 1, stats
+
+
+def _rank_counts_with_dynamic_shapes():
+    import fshard as fs
+
+    mesh = fs.Mesh(dp=2)
+    f = fs.shard_map(
+        lambda x, w: fs.psum(torch.tanh(x @ w), "dp"),
+        mesh=mesh,
+        in_specs=("(dp b) d", "d e"),
+        out_specs="b e",
+    )
+
+    def loss(x, w):
+        return f(x, w).square().sum()
+
+    step = fs.compile(loss)
+    errs: list[str] = []
+    rows = []
+    for b in (2, 3, 5):  # the second batch size recompiles with a dynamic batch; the third reuses it
+        x, w = randn(b, 2 * b, 6), randn(7, 6, 5).requires_grad_()
+        with fs.count_collectives() as eager:
+            want = loss(x, w)
+            want.backward()
+        want_grad, w.grad = w.grad, None
+        with fs.count_collectives() as compiled:
+            got = step(x, w)
+            got.backward()
+        close(errs, f"b={b} loss", got, want)
+        close(errs, f"b={b} grad", w.grad, want_grad)
+        rows.append((b, eager.records, compiled.records))
+    return errs, rows
+
+
+@pytest.mark.timeout(240)  # inductor compiles C++ kernels with gcc: slow on a loaded 2-core machine
+def test_compiled_counts_follow_a_dynamic_batch_with_inductor():
+    """A compiled graph whose batch dim became dynamic hands its collectives a symbolic size: the
+    count (made as the graph runs) has each call's bytes, as eager counts them (it raised on the
+    size's symbol before). The bytes are also checked against the shapes."""
+    got = run_ranks(N, _rank_counts_with_dynamic_shapes, timeout=200)
+    assert_ok([e for e, _ in got])
+    for _, rows in got:
+        assert [b for b, _, _ in rows] == [2, 3, 5]
+        for b, eager, compiled in rows:
+            # forward: the psum of this rank's [b, 5] block; backward: the all-reduce of w's [6, 5] grad
+            assert sorted(compiled) == sorted(eager), (b, compiled, eager)
+            assert sorted(compiled) == sorted(
+                [("all_reduce", ("dp",), b * 5 * 4), ("all_reduce", ("dp",), 6 * 5 * 4)]
+            )
