@@ -258,7 +258,7 @@ def check_transforms() -> None:
         )
 
 
-def check_call(name: str, no_sync: bool, debug: bool, counting: bool = False) -> None:
+def check_call(name: str, no_sync: bool, counting: bool = False) -> None:
     """While compiling, refuse the shard_map options a compiled call does not support yet."""
     if not _dynamo_hooks.INSTALLED:
         refuse(
@@ -277,8 +277,6 @@ def check_call(name: str, no_sync: bool, debug: bool, counting: bool = False) ->
             f"fs.shard_map({name}) under fs.no_sync (or with gradients fs.no_sync left pending)",
             "compile the step outside fs.no_sync and call the micro-batch steps eagerly",
         )
-    if debug:
-        refuse(f"fs.shard_map({name}) under fs.debug", "turn fs.debug off, or call it eagerly")
 
 
 def _no_functorch_wrappers() -> None:

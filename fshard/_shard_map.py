@@ -248,7 +248,7 @@ class _ShardMapped(_static.Fixed):
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             no_sync = not _buckets._sync or bool(_buckets._PENDING)
-            _compile.check_call(self.name, no_sync, _debug.enabled, _counts.counting_refused())
+            _compile.check_call(self.name, no_sync, _counts.counting_refused())
             key = None
             hit = _static.input_plan(self, leaves, treedef)  # the eager planning, a constant (_static)
         else:
@@ -329,7 +329,7 @@ class _ShardMapped(_static.Fixed):
             )
         )
         if _debug.enabled:
-            _stages.debug_check_outputs(self.name, mesh, out, out_leaves, okey, uneven)  # + PerRank
+            _stages.debug_check_outputs(self.name, mesh, out, uneven)  # + PerRank
         ohit = None if compiling else self._out_plans.get(okey)
         if ohit is None:
             oplans = self._plan_outputs(out, out_leaves, out_treedef)

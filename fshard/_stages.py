@@ -15,7 +15,6 @@ Hooks used by ``_shard_map``: `per_rank_leaves`, `mark_inputs`, `mark_outputs`, 
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 import weakref
 from typing import Any
@@ -205,19 +204,10 @@ def _axes_text(names: tuple[str, ...]) -> str:
     return repr(names[0]) if len(names) == 1 else repr(names)
 
 
-def _sig(obj) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(obj).encode(), digest_size=7).digest(), "little")
-
-
 def _tree_sig(tree) -> int:
     """A digest of a tree's structure and its leaves' shapes, dtypes and device types."""
-    leaves, treedef = optree.tree_flatten(tree)
-    return _sig(
-        (
-            treedef,
-            [(tuple(x.shape), x.dtype, x.device.type) if isinstance(x, _Tensor) else type(x) for x in leaves],
-        )
-    )
+    dims: list = []
+    return _debug.sig_with_dims(_debug.skeleton_of(tree, _own_leaf(dims)), dims)
 
 
 def _replica_axes(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -231,10 +221,11 @@ def _gather_rows(mesh: Mesh, row: list[int], where: str) -> list[list[int]]:
         return _comm.all_gather_blocks(t, g).tolist()
 
 
-def _odd_groups(mesh: Mesh, rows: list[list[int]], col: int) -> list[str]:
-    """For each key (rows[r][0]) whose rows disagree in column ``col``: which ranks hold what."""
+def _odd_groups(ranks, rows: list[list[int]], col: int) -> list[str]:
+    """For each key (rows[r][0]) whose rows disagree in column ``col``: which ranks (``ranks``: the
+    mesh's, in mesh order) hold what."""
     by_key: dict = {}
-    for rank, row in zip(mesh.ranks, rows):
+    for rank, row in zip(ranks, rows):
         by_key.setdefault(row[0], {}).setdefault(row[col], []).append(rank)
     out = []
     for key, by_val in sorted(by_key.items()):
@@ -256,7 +247,7 @@ def _check_replicas(p: PerRank) -> None:
     if _debug.enabled:
         row.append(_values_sig(optree.tree_leaves(p.tree)))
     rows = _gather_rows(mesh, row, "PerRank")
-    odd = _odd_groups(mesh, rows, 1)
+    odd = _odd_groups(mesh.ranks, rows, 1)
     if odd:
         raise SpecError(
             f"fs.PerRank: the ranks that hold the same index along {_axes_text(p.axes)} (the copies along "
@@ -265,15 +256,15 @@ def _check_replicas(p: PerRank) -> None:
             f"every rank of an index (e.g. fs.PerRank.build(mesh, {_axes_text(p.axes)}, [...]) with the same seeds)"
         )
     if _debug.enabled:
-        _raise_values(mesh, p.axes, replicas, _odd_groups(mesh, rows, 2), "fs.PerRank [debug]")
+        _raise_values(p.axes, replicas, _odd_groups(mesh.ranks, rows, 2), "fs.PerRank [debug]")
 
 
-def _values_sig(leaves) -> int:
-    digests = [_debug._digest(x) if isinstance(x, _Tensor) else 0 for x in leaves]
-    return _sig(digests)
+def _values_sig(leaves) -> Any:
+    """A digest of the values of the tensors among ``leaves`` (`_debug.digest`)."""
+    return _debug.digest([x for x in leaves if isinstance(x, _Tensor)])
 
 
-def _raise_values(mesh, axes, replicas, odd: list[str], where: str) -> None:
+def _raise_values(axes, replicas, odd: list[str], where: str) -> None:
     if odd:
         raise TracingError(
             f"{where}: the per-rank values over {_axes_text(axes)} differ between ranks that hold the same index "
@@ -384,30 +375,54 @@ def debug_check_inputs(name: str, mesh: Mesh, args, leaves, plans, kind) -> None
     if not replicas:
         return
     vals = [x for x, p in zip(leaves, plans) if p is not None and p.kind is kind]
-    rows = _gather_rows(mesh, [mesh.axis_index(axes), _values_sig(vals)], "debug")
-    _raise_values(mesh, axes, replicas, _odd_groups(mesh, rows, 1), f"fs.shard_map({name}) [debug]")
+    row = [_index(mesh, axes), _values_sig(vals)]
+    _debug.gathered_check(mesh, "debug", row, _per_rank_inputs_differ, axes, replicas, name)
 
 
-def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey, uneven: bool = False) -> None:
+def _index(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    """This rank's index along ``axes`` (a plain int: a constant of a compiled graph)."""
+    return int(mesh.axis_index(axes))
+
+
+@_debug.checker
+def _per_rank_inputs_differ(rows: list, ranks: tuple, axes: tuple, replicas: tuple, name: str) -> None:
+    _raise_values(axes, replicas, _odd_groups(ranks, rows, 1), f"fs.shard_map({name}) [debug]")
+
+
+def debug_check_outputs(name: str, mesh: Mesh, out, uneven: bool = False) -> None:
     """fs.debug's output check, with the trees inside PerRank outputs compared only between the
     ranks that share their index (they may differ from one index to the next). In a call with
     ``uneven`` blocks (inputs cut unevenly) the outputs' numbers of dims are compared, not their
     sizes, which differ by design; `_out_shapes` then checks every rank's blocks (a block that is
     not torch.chunk's cut raises the same SpecError on every rank)."""
-    tops, treedef = optree.tree_flatten(out, is_leaf=_is_per_rank)
+    tops = optree.tree_leaves(out, is_leaf=_is_per_rank, none_is_leaf=True)
     per_rank = [x for x in tops if isinstance(x, PerRank)]
     if not per_rank:
-        _debug.check_outputs(name, mesh, out_leaves, okey, uneven)
+        _debug.check_outputs(name, mesh, out, uneven)
         return
     if mesh.size == 1:
         return
     axes = _union_axes(mesh, per_rank)
-    common = _sig((treedef, [("PerRank", x.axes) if isinstance(x, PerRank) else _shape_of(x) for x in tops]))
-    own = _sig([_tree_sig(x.tree) for x in per_rank])
-    rows = _gather_rows(mesh, [mesh.axis_index(axes), common, own], "debug")
-    odd = _odd_groups(mesh, rows, 2)
+    dims: list = []
+
+    def top(x):
+        if isinstance(x, PerRank):
+            return ("PerRank", x.axes)
+        return _debug.shape_of(x, dims) if isinstance(x, _Tensor) else None
+
+    common = _debug.sig_with_dims(_debug.skeleton_of(out, top, is_leaf=_is_per_rank), dims)
+    dims = []
+    own = _debug.sig_with_dims(_debug.skeleton_of(tuple(x.tree for x in per_rank), _own_leaf(dims)), dims)
+    _debug.gathered_check(
+        mesh, "debug", [_index(mesh, axes), common, own], _per_rank_outputs_differ, axes, name
+    )
+
+
+@_debug.checker
+def _per_rank_outputs_differ(rows: list, ranks: tuple, axes: tuple, name: str) -> None:
+    odd = _odd_groups(ranks, rows, 2)
     if len({r[1] for r in rows}) > 1:
-        odd.insert(0, f"equal within: {_debug._groups([r[1] for r in rows], mesh)}")
+        odd.insert(0, f"equal within: {_debug.groups_text([r[1] for r in rows], ranks)}")
     if odd:
         raise TracingError(
             f"fs.shard_map({name}) [debug]: f returned outputs whose structure or local shapes differ across "
@@ -417,8 +432,13 @@ def debug_check_outputs(name: str, mesh: Mesh, out, out_leaves, okey, uneven: bo
         )
 
 
-def _shape_of(x):
-    return tuple(x.shape) if isinstance(x, _Tensor) else None
+def _own_leaf(dims: list):
+    def leaf(x):
+        if isinstance(x, _Tensor):
+            return (_debug.shape_of(x, dims), str(x.dtype), x.device.type)
+        return type(x).__name__
+
+    return leaf
 
 
 # == switch ===============================================================================
