@@ -81,15 +81,8 @@ def _digest(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
-def sig(obj) -> int:
-    """A digest of ``repr(obj)`` (shapes, dtypes, tree structures): the same object, the same number
-    on every rank. While Dynamo traces, computed at trace time (a constant of the graph)."""
-    if torch.compiler.is_compiling():
-        return _sig_at_trace_time(obj)
-    return _sig(obj)
-
-
 def _sig(obj) -> int:
+    """A digest of ``repr(obj)``: the same object, the same number on every rank."""
     return _sig_text(repr(obj))
 
 
@@ -106,7 +99,7 @@ def _repr_at_trace_time(obj) -> str:
 
 
 def sig_with_dims(static, dims: list) -> Any:
-    """``sig((static, tuple(dims)))``: a digest of a description (``static``: Python literals) and
+    """``_sig((static, tuple(dims)))``: a digest of a description (``static``: Python literals) and
     of the sizes it lists apart (``dims``: the dims of the shapes it describes). While Dynamo traces
     with dynamic shapes, some of ``dims`` are symbolic: the digest is then made as the graph runs
     (`_sig_op`), by the same formula, so that ranks compare their sizes at each run."""
@@ -287,7 +280,7 @@ def shape_of(x: torch.Tensor, dims: list) -> str:
 
 def skeleton_of(tree, leaf: Callable, is_leaf: Callable | None = None):
     """``tree`` with each leaf replaced by ``leaf(x)`` (its shape, ...): its structure and the leaves'
-    descriptions as plain containers, which `sig` digests (also while Dynamo traces, where the tree's
+    descriptions as plain containers, which `sig_with_dims` digests (also while Dynamo traces, where the tree's
     structure object is not a constant)."""
     return optree.tree_map(leaf, tree, is_leaf=is_leaf, none_is_leaf=True)
 
