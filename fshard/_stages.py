@@ -214,13 +214,6 @@ def _replica_axes(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1)
 
 
-def _gather_rows(mesh: Mesh, row: list[int], where: str) -> list[list[int]]:
-    g = mesh.axis_group(mesh.axis_names, where)
-    with untracked():
-        t = torch.tensor(row, dtype=torch.int64, device=mesh.device)
-        return _comm.all_gather_blocks(t, g).tolist()
-
-
 def _odd_groups(ranks, rows: list[list[int]], col: int) -> list[str]:
     """For each key (rows[r][0]) whose rows disagree in column ``col``: which ranks (``ranks``: the
     mesh's, in mesh order) hold what."""
@@ -246,17 +239,21 @@ def _check_replicas(p: PerRank) -> None:
     row = [p.index, _tree_sig(p.tree)]
     if _debug.enabled:
         row.append(_values_sig(optree.tree_leaves(p.tree)))
-    rows = _gather_rows(mesh, row, "PerRank")
-    odd = _odd_groups(mesh.ranks, rows, 1)
+    _debug.gathered_check(mesh, "PerRank", row, _copies_differ, p.axes, replicas, _debug.enabled)
+
+
+@_debug.checker
+def _copies_differ(rows: list, ranks: tuple, axes: tuple, replicas: tuple, debug: bool) -> None:
+    odd = _odd_groups(ranks, rows, 1)
     if odd:
         raise SpecError(
-            f"fs.PerRank: the ranks that hold the same index along {_axes_text(p.axes)} (the copies along "
+            f"fs.PerRank: the ranks that hold the same index along {_axes_text(axes)} (the copies along "
             f"{', '.join(map(repr, replicas))}) hold trees of different structure, shapes, dtypes or device types "
             f"({'; '.join(odd)}); a per-rank value is replicated over the other axes: build it the same way on "
-            f"every rank of an index (e.g. fs.PerRank.build(mesh, {_axes_text(p.axes)}, [...]) with the same seeds)"
+            f"every rank of an index (e.g. fs.PerRank.build(mesh, {_axes_text(axes)}, [...]) with the same seeds)"
         )
-    if _debug.enabled:
-        _raise_values(p.axes, replicas, _odd_groups(mesh.ranks, rows, 2), "fs.PerRank [debug]")
+    if debug:
+        _raise_values(axes, replicas, _odd_groups(ranks, rows, 2), "fs.PerRank [debug]")
 
 
 def _values_sig(leaves) -> Any:
