@@ -659,10 +659,11 @@ def test_a_rank_whose_wait_a_faster_timeout_ended_names_the_missing_rank_too(tmp
     assert "Connection closed by peer" not in out.stderr.splitlines()[-1]
     launcher = [line for line in out.stderr.splitlines() if line.startswith("fshard.run:")]
     assert len(launcher) == 1, out.stderr
+    # The ranks that raised may have exited before the launcher looks, so it terminates 0 to 2 of them.
     assert re.fullmatch(
         rf"fshard\.run: rank 2 \(pid \d+\) did not arrive at {re.escape(psum)}, where rank [01] "
         r"(?:timed out waiting for it after \d+ s|stopped waiting for it after \d+ s \(a peer that timed out "
-        r"closed the connection\)); terminating it and the 2 other running rank\(s\)",
+        r"closed the connection\)); terminating it and the [0-2] other running rank\(s\)",
         launcher[0],
     ), out.stderr
 
