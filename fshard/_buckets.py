@@ -53,7 +53,7 @@ import torch.distributed as dist
 from . import _comm, _compile, _inflight, _state
 from . import _watchdog as _watch
 from ._comm import untracked
-from ._errors import CollectiveError
+from ._errors import CollectiveError, FshardError
 from ._mesh import AxisGroup
 from ._primitives import AllReduce, Pvary, _functorch_active, apply
 from ._twins import _version, twin_entry
@@ -72,31 +72,54 @@ _sync = True
 # Unreduced gradients of leaf inputs from calls under `no_sync`: id(input) -> (weak reference to
 # the input, axis group, sum). Keyed by id (tensors compare elementwise), dropped with the input.
 _PENDING: dict = {}
+# Whether _PENDING may hold a sum: what a compiled call guards on (`_no_sync_graph.mode`), so that
+# the graph of a step while gradients are pending is another one than the plain step's.
+_any_pending = False
 
 
 @_state.job_state(order=40)
 def _reset() -> None:
     """A new job: outside any fs.no_sync block, with no gradient an earlier job kept pending."""
-    global _sync
+    global _sync, _any_pending
     _sync = True
+    _any_pending = False
     _PENDING.clear()
 
 
-def _take_pending(leaf):
+def _take_pending(leaf, g=None, what=None):
+    """The pending ``(axis group, sum)`` of ``leaf``, dropped; None if there is none. With ``g``, the
+    group its gradient is summed over now: a sum kept over other ranks raises (summed over ``g``,
+    it would count the ranks outside its own group's several times, or miss some)."""
+    global _any_pending
     hit = _PENDING.get(id(leaf))
     if hit is None or hit[0]() is not leaf:
         return None
     del _PENDING[id(leaf)]
+    _any_pending = bool(_PENDING)
+    if g is not None and g is not hit[1] and set(g.global_ranks) != set(hit[1].global_ranks):
+        raise FshardError(
+            f"fs.no_sync kept the gradient of {what or 'a parameter'} pending as a sum over mesh axes "
+            f"{', '.join(hit[1].names)}, and a later call sums it over {', '.join(g.names)}: use the "
+            f"parameter with values that vary over the same mesh axes in every micro-batch"
+        )
     return hit[1], hit[2]
 
 
-def _add_pending(leaf, g, twin) -> None:
-    hit = _take_pending(leaf)
+def _drop_pending(key: int) -> None:
+    global _any_pending
+    _PENDING.pop(key, None)
+    _any_pending = bool(_PENDING)
+
+
+def _add_pending(leaf, g, twin, what=None) -> None:
+    global _any_pending
+    hit = _take_pending(leaf, g, what)
     total = twin.detach().clone() if hit is None else hit[1] + twin.detach()
     key = id(leaf)
     if hit is None:
-        weakref.finalize(leaf, _PENDING.pop, key, None)
+        weakref.finalize(leaf, _drop_pending, key)
     _PENDING[key] = (weakref.ref(leaf), g, total)
+    _any_pending = True
 
 
 class no_sync:
@@ -369,6 +392,11 @@ class BoundaryState:
             "checks each collective before it is sent"
         )
 
+    def what(self, i: int) -> str:
+        """Input ``i`` in an error: its key path and the function's name."""
+        name, path = self.where if self.where is not None else ("f", None)
+        return f"{path(i) if path is not None else f'input {i}'} (an input of {name})"
+
     def _held(self, idx: list) -> str:
         name, path = self.where if self.where is not None else ("f", None)
         held = ", ".join(path(i) if path is not None else f"input {i}" for i in idx)
@@ -423,7 +451,9 @@ class TwinTap(torch.autograd.Function):
             dtype = state.reduce_dtype or state.dtypes[i]
             if ct.dtype != dtype:
                 ct = ct.to(dtype)
-            hit = _take_pending(leaf) if leaf is not None and _PENDING else None
+            hit = (
+                _take_pending(leaf, state.groups[i], state.what(i)) if leaf is not None and _PENDING else None
+            )
             if hit is not None:
                 ct = ct + hit[1]
             state.add(i, state.groups[i], ct)  # type: ignore[arg-type]
@@ -486,9 +516,13 @@ class GradBoundary(torch.autograd.Function):
                 twin = twin.to(state.reduce_dtype or dtype)
             if state.defer and leaf is not None:
                 if twin is not None and g is not None:
-                    _add_pending(leaf, g, twin)
+                    _add_pending(leaf, g, twin, state.what(i))
                 continue
-            hit = _take_pending(leaf) if leaf is not None and _PENDING else None
+            hit = (
+                _take_pending(leaf, g if twin is not None else None, state.what(i))
+                if leaf is not None and _PENDING
+                else None
+            )
             if hit is not None:
                 g = g if g is not None else hit[0]
                 twin = hit[1] if twin is None or state.groups[i] is None else twin + hit[1]

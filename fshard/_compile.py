@@ -272,10 +272,11 @@ def check_call(name: str, no_sync: bool, counting: bool = False) -> None:
             "compile the step with fs.compile and the inductor backend, whose compiled calls "
             "fs.count_collectives counts, or count an eager call of the step",
         )
-    if no_sync:
+    if no_sync:  # (without compute_dtype, no_sync compiles: `_no_sync_graph`)
         refuse(
-            f"fs.shard_map({name}) under fs.no_sync (or with gradients fs.no_sync left pending)",
-            "compile the step outside fs.no_sync and call the micro-batch steps eagerly",
+            f"fs.shard_map({name}) with compute_dtype under fs.no_sync (or with gradients fs.no_sync left "
+            f"pending)",
+            "compile the micro-batch steps without compute_dtype (cast inside f), or call them eagerly",
         )
 
 

@@ -23,6 +23,7 @@ from . import (
     _counts,
     _debug,
     _mesh,
+    _no_sync_graph,
     _shapes,
     _spec,
     _stages,
@@ -247,8 +248,9 @@ class _ShardMapped(_static.Fixed):
         leaves, treedef = optree.tree_flatten(args)
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
-            no_sync = not _buckets._sync or bool(_buckets._PENDING)
-            _compile.check_call(self.name, no_sync, _counts.counting_refused())
+            defer = _no_sync_graph.mode()  # fs.no_sync: a guard of the graph
+            counting = _counts.counting_refused()
+            _compile.check_call(self.name, defer is not None and self._compute_dtype is not None, counting)
             key = None
             hit = _static.input_plan(self, leaves, treedef)  # the eager planning, a constant (_static)
         else:
@@ -298,6 +300,7 @@ class _ShardMapped(_static.Fixed):
         # (compiled: no buckets, also for fs.value_and_grad inside f; one all-reduce per input)
         tr.bucket_mb = self._bucket_mb if self._tracked and not compiling else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
+        deferred = _defer_leaves(self.name, defer, leaves, plans, local, tr) if compiling and defer else None
         if not tr.bucket_mb and not compiling and torch.is_grad_enabled():  # (named in the casts' tags)
             tr.inputs = {
                 id(x): p.path for x, p in zip(local, plans) if type(x) is _Tensor and x.requires_grad
@@ -317,6 +320,8 @@ class _ShardMapped(_static.Fixed):
         local_args = optree.tree_unflatten(local_treedef, local)
         with tr:
             out = self.f(*local_args)
+        if deferred:
+            _no_sync_graph.check_used(deferred)
         if versions:
             _checks.check_unmodified(self.name, leaves, plans, global_idx, versions, tr)
         out_leaves, out_treedef = optree.tree_flatten(out)
@@ -573,6 +578,24 @@ def _localize(x, p: _InPlan, tr, mesh):
     if p.bits:
         _vma.tag(x, tr, p.bits)
     return x
+
+
+def _defer_leaves(name: str, mode: str, leaves, plans, local, tr) -> list:
+    """Compiled, under fs.no_sync or with gradients pending: the leaf inputs (parameters, each
+    whole in f) whose casts keep or take their pending gradients (`_no_sync_graph`)."""
+    if not torch.is_grad_enabled():
+        return []
+    out, tr.inputs = [], {}
+    for x, p, y in zip(leaves, plans, local):
+        if p.code == 2:  # an fs.Sharded input in its layout: its local block may be a parameter
+            x = x.local
+        elif p.code != 1 or p.slices:
+            continue
+        if type(x) is _Tensor and x.is_leaf and x.requires_grad:
+            d = _no_sync_graph.Deferred(x, p.path, mode, name, tr.mesh)
+            tr.inputs[id(y)] = d
+            out.append(d)
+    return out
 
 
 def _vary_out(x, p: _OutPlan, tr):

@@ -115,9 +115,9 @@ class Sharded:
     def shape(self) -> torch.Size:
         """The global shape."""
         if (s := self._shape) is None:  # an even split: every block has the same shape
+            # (not stored in _shape: a compiled call's plan guards on ``_shape is None``, and an eager
+            # call that stored it would make the next compiled call recompile)
             s = torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
-            if not torch.compiler.is_compiling():  # eager only: a store traced by Dynamo changes
-                self._shape = s  # what its guard read (``_shape is None``): a recompile next call
         return s
 
     @property

@@ -105,7 +105,8 @@ class Trace:
         self._mode: VmaMode | None = None
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
-        # id(input) -> key path, for inputs cast outside the gradient buckets (PvaryInput), or None
+        # id(input) -> key path for inputs cast outside the gradient buckets (PvaryInput; compiled no_sync:
+        # a `_no_sync_graph.Deferred`), or None
         self.inputs: dict | None = None
         self.bucket_mb = 0.0  # the shard_map's bucket size (for value_and_grad inside f)
         self.uneven = False  # some input has uneven blocks: collectives first compare their operands' shapes
@@ -281,9 +282,7 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         # inside a torch.func transform entered in f (vmap, grad, jvp, ...): the cast with its own
         # transpose (the gradient buckets' taps have no batching or forward rule), not cached (the
         # result may be the transform's wrapper, dead once it exits)
-        out = apply(Pvary, x, g)
-        tag(out, tr, have | missing)
-        return out
+        return tag(apply(Pvary, x, g), tr, have | missing)
     twin = _twin_entry(tr, x) if tr.twins else None
     if twin is not None and twin[3].groups[twin[2]] in (None, g):
         # a tensor behind a GradBoundary (or an invariant function of one): its twin is the
@@ -292,10 +291,10 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         out = _twin_of(twin)
     else:
         path = tr.inputs.get(id(x)) if tr.inputs else None
-        if path is not None:
-            out = apply(PvaryInput, x, g, path)
-        else:
+        if path is None:
             out = apply(Pvary, x, g)
+        else:  # an input: its key path in the reduction's tags, or a compiled no_sync cast (`_no_sync_graph`)
+            out = path.cast(x, g, apply, Pvary) if hasattr(path, "cast") else apply(PvaryInput, x, g, path)
     tag(out, tr, have | missing)
     tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call
     return out
