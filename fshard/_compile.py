@@ -245,16 +245,20 @@ def _in_transform() -> bool:
 
 
 def check_transforms() -> None:
-    """While compiling, refuse torch.func transforms around or inside a shard_map'd body: their
-    compiled graphs lose the implicit casts of the tracking (a gradient taken inside ``f`` of an
-    invariant parameter would miss its psum), so they would mean another thing than eager."""
+    """While compiling, refuse torch.func transforms around or inside a shard_map'd body: Dynamo
+    (torch 2.13) traces an autograd Function's forward under them and drops its custom backward
+    and jvp (pytorch/pytorch#193279, #192985; ``tests/test_torch_limits.py`` watches for the fix),
+    so a collective's transpose is lost (a gradient taken inside ``f`` of an invariant parameter
+    would miss its psum): the graph would mean another thing than eager."""
     if compiling() and _in_transform():
         fail(
             TracingError,
             "torch.func transforms (grad, vjp, jvp, vmap, jacrev, hessian, ...) inside or around a "
             "shard_map'd function are not supported inside torch.compile yet (fshard refuses rather "
-            "than compiling something that would mean another thing than the eager call); call "
-            "the transform eagerly, or use fs.value_and_grad / loss.backward() in the compiled step",
+            "than compiling something that would mean another thing than the eager call); under them "
+            "Dynamo drops the custom backward and jvp of the autograd Functions fshard's collectives "
+            "are (pytorch/pytorch#193279): call the transform eagerly, or use fs.value_and_grad / "
+            "loss.backward() in the compiled step",
         )
 
 

@@ -289,8 +289,9 @@ def test_compiled_shard_map_raises_eagers_errors_and_refuses_what_it_does_not_su
             assert _fshard_part(out[f"torch.func.{name}"]) == (
                 "TracingError: torch.func transforms (grad, vjp, jvp, vmap, jacrev, hessian, ...) inside "
                 "or around a shard_map'd function"
-                + REFUSED.replace(" is ", " are ", 1)
-                + "call the transform eagerly, or use "
+                + REFUSED.replace(" is ", " are ", 1)[:-2]
+                + "; under them Dynamo drops the custom backward and jvp of the autograd Functions fshard's "
+                "collectives are (pytorch/pytorch#193279): call the transform eagerly, or use "
                 "fs.value_and_grad / loss.backward() in the compiled step"
             ), name
         compiled_debug, eager_debug = out["debug"]
