@@ -539,19 +539,24 @@ class GradBoundary(torch.autograd.Function):
 class _CastState:
     """A cast input's twin (no buckets): the axis group its implicit cast sums over, once known."""
 
-    __slots__ = ("groups", "cast", "reduce_dtype")
+    __slots__ = ("groups", "cast", "reduce_dtype", "deferred")
 
-    def __init__(self, cast, reduce_dtype):
+    def __init__(self, cast, reduce_dtype, deferred=None):
         self.groups: list = [None]
         self.cast = cast
         self.reduce_dtype = reduce_dtype
+        self.deferred = (
+            deferred  # compiled, under fs.no_sync or with gradients pending: its `_no_sync_graph.Deferred`
+        )
 
 
 def _cast_twin(st: _CastState, x: torch.Tensor) -> torch.Tensor:
     """The varying twin of ``x.to(st.cast)``: ``x`` cast to varying in ``reduce_dtype`` (or its own
-    dtype), then to ``cast``; the backward sums the gradient before casting it back, as a bucket."""
+    dtype), then to ``cast``; the backward sums the gradient before casting it back, as a bucket
+    (or, compiled under fs.no_sync, keeps it pending: `_no_sync_graph`)."""
     y = x if st.reduce_dtype is None else x.to(st.reduce_dtype)
-    return apply(Pvary, y, st.groups[0]).to(st.cast)
+    d = st.deferred
+    return (apply(Pvary, y, st.groups[0]) if d is None else d.cast(y, st.groups[0], apply, Pvary)).to(st.cast)
 
 
 def wrap(
@@ -583,7 +588,8 @@ def wrap(
             if grad and x.requires_grad and m != all_bits:
                 # f's varying uses of vis (or of an invariant function of it) get the twin below
                 # (the input itself is no entry: f never sees it, and it is no twin of itself)
-                st = _CastState(cast, reduce_dtype)
+                d = tr.inputs.get(id(x)) if tr.inputs else None  # (a key path, or a compiled no_sync cast)
+                st = _CastState(cast, reduce_dtype, d if hasattr(d, "cast") else None)
                 src = twin_entry(x, x, 0, st)
                 tr.twins[id(vis)] = twin_entry(
                     vis, None, 0, st, (src, _cast_twin, (st, x), None), _version(vis, tr)

@@ -262,7 +262,7 @@ def check_transforms() -> None:
         )
 
 
-def check_call(name: str, no_sync: bool, counting: bool = False) -> None:
+def check_call(name: str, counting: bool = False) -> None:
     """While compiling, refuse the shard_map options a compiled call does not support yet."""
     if not _dynamo_hooks.INSTALLED:
         refuse(
@@ -275,12 +275,6 @@ def check_call(name: str, no_sync: bool, counting: bool = False) -> None:
             f"fs.shard_map({name}) under fs.count_collectives",
             "compile the step with fs.compile and the inductor backend, whose compiled calls "
             "fs.count_collectives counts, or count an eager call of the step",
-        )
-    if no_sync:  # (without compute_dtype, no_sync compiles: `_no_sync_graph`)
-        refuse(
-            f"fs.shard_map({name}) with compute_dtype under fs.no_sync (or with gradients fs.no_sync left "
-            f"pending)",
-            "compile the micro-batch steps without compute_dtype (cast inside f), or call them eagerly",
         )
 
 

@@ -249,8 +249,7 @@ class _ShardMapped(_static.Fixed):
         compiling = _compile.compiling()
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             defer = _no_sync_graph.mode()  # fs.no_sync: a guard of the graph
-            counting = _counts.counting_refused()
-            _compile.check_call(self.name, defer is not None and self._compute_dtype is not None, counting)
+            _compile.check_call(self.name, _counts.counting_refused())
             key = None
             hit = _static.input_plan(self, leaves, treedef)  # the eager planning, a constant (_static)
         else:

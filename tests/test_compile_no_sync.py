@@ -1,7 +1,8 @@
 """``fs.no_sync`` in compiled calls: gradient accumulation over micro-batches, on real gloo ranks (4).
 
-A table over meshes (``dp=4``; ``dp=2 x tp=2`` with tensor-parallel weights beside replicated
-ones and an ``fs.Sharded`` parameter) and over which calls are compiled (every micro-batch; the
+A table over meshes (``dp=4``, also with ``compute_dtype=float32, reduce_dtype=float64``;
+``dp=2 x tp=2`` with tensor-parallel weights beside replicated ones and an ``fs.Sharded``
+parameter) and over which calls are compiled (every micro-batch; the
 micro-batches under ``fs.no_sync`` only; the last one only; ``fs.compile`` of a whole step that
 calls ``loss.backward()``, with inductor): after two accumulation cycles the gradients equal plain
 torch's on the whole batch in one process, and eager's; the backward of a call under
@@ -55,13 +56,16 @@ def _maps(mesh_kind):
     how to read a parameter's gradient as the global tensor."""
     import fshard as fs
 
-    if mesh_kind == "dp":
+    mixed = {}
+    if mesh_kind in ("dp", "dp mixed"):
         mesh = fs.Mesh(dp=WORLD)
         specs = {k: "..." for k in _init()}
 
         def loss(p, x):
             return fs.pmean(_model(p, x).mean(), "dp") + 0.01 * (p["w1"] ** 2).sum()
 
+        if mesh_kind == "dp mixed":  # computed in float32, gradients summed in float64
+            mixed = {"compute_dtype": torch.float32, "reduce_dtype": torch.float64}
     else:  # dp=2 x tp=2: w1, b1, w2 split over tp (their gradients reduced at once: each block is
         # a slice, not a parameter); ln, b2, s replicated (deferred); s given as fs.Sharded
         mesh = fs.Mesh(dp=2, tp=2)
@@ -71,7 +75,7 @@ def _maps(mesh_kind):
             data = _model(p, x, lambda h: fs.psum(h, "tp")).mean()
             return fs.pmean(data, "dp") + 0.01 * fs.psum((p["w1"] ** 2).sum(), "tp")
 
-    f = fs.shard_map(loss, mesh=mesh, in_specs=(specs, "(dp b) d"), out_specs="")
+    f = fs.shard_map(loss, mesh=mesh, in_specs=(specs, "(dp b) d"), out_specs="", **mixed)
     return mesh, f
 
 
@@ -121,7 +125,7 @@ def _rank_table(ref):
     errs: list = []
     out: dict = {}
     xs = _batches()
-    for mesh_kind in ("dp", "dp2xtp2"):
+    for mesh_kind in ("dp", "dp2xtp2", "dp mixed"):
         torch._dynamo.reset()
         mesh, f = _maps(mesh_kind)
         eager_p = _params(mesh, mesh_kind)
@@ -247,9 +251,9 @@ def test_compiled_no_sync_accumulates_as_eager_and_one_process():
     got = run_ranks(WORLD, _rank_table, ref, timeout=300)
     assert_ok([errs for errs, _ in got])
     for _, out in got:
-        for mesh_kind in ("dp", "dp2xtp2"):
+        for mesh_kind in ("dp", "dp2xtp2", "dp mixed"):
             plain = out[(mesh_kind, "plain")]
-            n_deferred = 6 if mesh_kind == "dp" else 3  # the parameters whole in f: ln, b2, s on 2 x 2
+            n_deferred = 3 if mesh_kind == "dp2xtp2" else 6  # the parameters whole in f: ln, b2, s on 2 x 2
             for how in ("all", "no_sync only", "last only"):
                 for rep in range(2):
                     counts = out[(mesh_kind, how, rep)]
