@@ -65,7 +65,13 @@ def _prepare_in(tree, tr):
         masks = [_vma.get(new[i], tr) for i in idx]
         all_bits = tr.mesh.bits(tr.mesh.axis_names)
         vis = _buckets.wrap(
-            [new[i] for i in idx], masks, tr, all_bits, tr.bucket_mb, path=lambda k: _path(treedef, idx[k])
+            [new[i] for i in idx],
+            masks,
+            tr,
+            all_bits,
+            tr.bucket_mb,
+            path=lambda k: _path(treedef, idx[k]),
+            defer=False,  # (the gradients are values returned: fs.no_sync keeps none of them pending)
         )
         for i, v in zip(idx, vis):
             if v is not new[i]:

@@ -130,7 +130,10 @@ class no_sync:
     unreduced gradient to a buffer per parameter (the invariant part of the gradient is
     accumulated as usual). The first call made outside the block reduces its own gradients
     together with everything pending, in the same buckets: one reduction for all the
-    micro-batches, and ``p.grad`` is then exactly what one big batch gives.
+    micro-batches, and ``p.grad`` is then exactly what one big batch gives. Eager and compiled
+    calls (``torch.compile``, ``fs.compile``) alike, mixed in any order. The gradients
+    ``fs.value_and_grad`` returns inside ``f`` are values, always reduced: the block keeps none
+    of them pending.
 
     Examples:
         >>> with fs.no_sync():
@@ -184,7 +187,7 @@ class BoundaryState:
         "alone",
     )
 
-    def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None, where=None):
+    def __init__(self, xs, bucket_mb: float, param_dtype=None, reduce_dtype=None, where=None, defer=True):
         n = len(xs)
         self.groups: list[AxisGroup | None] = [None] * n
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
@@ -193,7 +196,7 @@ class BoundaryState:
         self.devices = [x.device for x in xs]
         self.leaves = [x if x.is_leaf else None for x in xs]
         self.taps: list = [None] * n  # weak references to the twins' TwinTap nodes
-        self.defer = not _sync
+        self.defer = defer and not _sync
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         # Launch from the taps only when every input is on one device: the autograd engine runs
@@ -560,11 +563,21 @@ def _cast_twin(st: _CastState, x: torch.Tensor) -> torch.Tensor:
 
 
 def wrap(
-    xs: list, masks: list[int], tr, all_bits: int, bucket_mb: float, cast=None, reduce_dtype=None, path=None
+    xs: list,
+    masks: list[int],
+    tr,
+    all_bits: int,
+    bucket_mb: float,
+    cast=None,
+    reduce_dtype=None,
+    path=None,
+    defer: bool = True,
 ) -> list:
     """Put the tensors of ``xs`` (varying over ``masks``) that need a gradient and may meet more
     varying data behind one GradBoundary of trace ``tr``; cast floating ones to ``cast``.
-    ``path(i)``: the key path of ``xs[i]`` (named in errors).
+    ``path(i)``: the key path of ``xs[i]`` (named in errors). ``defer``: whether `no_sync` may keep
+    the gradients of leaves pending (not for ``fs.value_and_grad``'s own primals: its gradients
+    are values it returns, always reduced).
 
     Returns the tensors for ``f`` (visible outputs, tagged like their inputs). Without
     ``bucket_mb`` (compiled calls, or under torch.func, or without grad) only the casts apply;
@@ -597,7 +610,7 @@ def wrap(
     if not idx:
         return out
     where = (tr.where, (lambda k: path(idx[k])) if path is not None else None)
-    state = BoundaryState([xs[i] for i in idx], bucket_mb, cast, reduce_dtype, where)
+    state = BoundaryState([xs[i] for i in idx], bucket_mb, cast, reduce_dtype, where, defer)
     got = apply(GradBoundary, state, *[xs[i] for i in idx])
     for k, i in enumerate(idx):
         vis, twin = got[2 * k], got[2 * k + 1]

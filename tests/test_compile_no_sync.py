@@ -237,6 +237,30 @@ def _rank_errors():
     return out
 
 
+def _rank_value_and_grad():
+    """fs.value_and_grad inside f under fs.no_sync: its gradients are values it returns, reduced as
+    outside the block (eager once kept them pending on its own temporary copies: lost)."""
+    import fshard as fs
+
+    mesh, _ = _maps("dp")
+
+    def body(p, x):
+        return fs.value_and_grad(lambda p: fs.pmean(_model(p, x).mean(), "dp"))(p)
+
+    f = fs.shard_map(
+        body, mesh=mesh, in_specs=({k: "..." for k in _init()}, "(dp b) d"), out_specs=("", "...")
+    )
+    out = {}
+    for how in ("eager", "compiled"):
+        torch._dynamo.reset()
+        fn = f if how == "eager" else torch.compile(f, backend="aot_eager", fullgraph=True)
+        p = _params(mesh, "dp")
+        with torch._dynamo.config.patch(trace_autograd_ops=True), fs.no_sync():
+            out[how] = fn(p, _batches()[0])[1]
+        out[f"{how} pending"] = _pending_left()
+    return out
+
+
 def _raised(fn, *args) -> str:
     try:
         fn(*args)
@@ -289,3 +313,15 @@ def test_compiled_no_sync_errors_name_the_parameter_and_the_fix():
                 "pending as a sum over mesh axes dp, and a later call sums it over dp, tp: use the parameter with "
                 "values that vary over the same mesh axes in every micro-batch"
             ), how
+
+
+def test_value_and_grad_inside_f_under_no_sync_returns_reduced_gradients():
+    p = {k: v.clone().requires_grad_() for k, v in _init().items()}
+    want = dict(zip(p, torch.autograd.grad(_model(p, _batches()[0]).mean(), list(p.values()))))
+    for out in run_ranks(WORLD, _rank_value_and_grad, timeout=100):
+        errs: list = []
+        for how in ("eager", "compiled"):
+            for k in want:
+                close(errs, f"{how}: grad {k} vs one process", out[how][k], want[k])
+            assert out[f"{how} pending"] == (0, False), how
+        assert not errs, errs
