@@ -114,10 +114,11 @@ class PvaryLeaf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ct):
         (leaf,) = ctx.saved_tensors
-        if ctx.mode == "defer":
-            _DEFER(leaf, ct, ctx.key, ctx.what)
-            return None, None, None, None, None, None
-        total = _TAKE(leaf, ct, ctx.key, ctx.what)
+        with untracked():  # (the ops out of the tracking mode's way, as every primitive's backward)
+            if ctx.mode == "defer":
+                _DEFER(leaf, ct, ctx.key, ctx.what)
+                return None, None, None, None, None, None
+            total = _TAKE(leaf, ct, ctx.key, ctx.what)
         return (
             _comm.all_reduce(total, ctx.g, what=f"the gradient of {ctx.what}"),
             None,

@@ -10,7 +10,8 @@ eager's; the backward of a compiled call under ``fs.no_sync`` makes no all-reduc
 parameters (gloo's own count), the call after it as many as a call with nothing pending (nothing
 is left pending); the compiled function makes two graphs (under ``fs.no_sync``, and with gradients
 pending) and no more over the second cycle or with eager calls mixed in. ``fs.compile`` (inductor)
-of a whole step that calls ``loss.backward()`` likewise. The errors of what a compiled call
+of a whole step that calls ``loss.backward()`` likewise, and a dp x pp pipeline of ``fs.PerRank``
+stages (its casts' backward once ran under the tracking mode and failed to trace). The errors of what a compiled call
 cannot reduce are asserted by their full text.
 """
 
@@ -264,6 +265,32 @@ def _rank_value_and_grad():
     return out
 
 
+def _rank_pipeline(how):
+    """The dp=2 x pp=2 pipeline of per-rank stages (tests/test_compile_stages.py: fs.PerRank
+    parameters, fs.switch on the stage, fs.ppermute between stages): three micro-batches, the
+    first two under fs.no_sync (``how``: eager, or compiled), or every backward reducing (the
+    reference)."""
+    import fshard as fs
+    from tests.test_compile_stages import _step
+
+    torch._dynamo.reset()
+    mesh, n, step, params, tokens, targets = _step({"dp": 2, "pp": 2})
+    p = params()
+    leaves = torch.utils._pytree.tree_leaves(p.tree)
+    for t in leaves:
+        t.requires_grad_()
+    if how == "reference":
+        for _ in range(MICRO):
+            step(p, tokens, targets).backward()
+    else:
+        fn = step if how == "eager" else torch.compile(step, backend="aot_eager", fullgraph=True)
+        with fs.no_sync():
+            for _ in range(MICRO - 1):
+                fn(p, tokens, targets).backward()
+        fn(p, tokens, targets).backward()
+    return [t.grad for t in leaves], _pending_left()
+
+
 def _raised(fn, *args) -> str:
     try:
         fn(*args)
@@ -334,4 +361,18 @@ def test_value_and_grad_inside_f_under_no_sync_returns_reduced_gradients():
             for k in want:
                 close(errs, f"{how}: grad {k} vs one process", out[how][k], want[k])
             assert out[f"{how} pending"] == (0, False), how
+        assert not errs, errs
+
+
+@pytest.mark.timeout(200)
+def test_compiled_no_sync_in_a_pipeline_of_per_rank_stages():
+    from tests.test_stages import DT
+
+    ref = run_ranks(WORLD, _rank_pipeline, "reference", timeout=100)
+    for how in ("eager", "compiled"):
+        errs: list = []
+        for (want, _), (got, left) in zip(ref, run_ranks(WORLD, _rank_pipeline, how, timeout=150)):
+            assert len(got) == len(want) and left == (0, False), how
+            for k, (a, b) in enumerate(zip(got, want)):
+                close(errs, f"{how}: gradient {k} vs every backward reducing", a, b, DT)
         assert not errs, errs
