@@ -1,10 +1,11 @@
-"""``fs.no_sync`` in compiled calls: the pending gradients of parameters, as graph ops.
+"""``fs.no_sync`` without gradient buckets: the pending gradients of parameters, as graph ops.
 
 Eager calls keep a parameter's unreduced gradient pending in their gradient buckets
-(`_buckets.GradBoundary`); compiled calls have no buckets (each replicated input's gradient is
-all-reduced as the backward reaches its cast), so the cast of a *leaf* input (a parameter, whose
-block in ``f`` is the whole tensor) is this module's `PvaryLeaf` instead, in one of two forms,
-chosen at trace time (`mode`, a guard of the compiled graph):
+(`_buckets.GradBoundary`); compiled calls, and eager ones with ``bucket_mb=None``, have no buckets
+(each replicated input's gradient is all-reduced as the backward reaches its cast), so the cast of
+a *leaf* input (a parameter, whose block in ``f`` is the whole tensor) is this module's
+`PvaryLeaf` instead, in one of two forms, chosen when the call starts (`mode`; compiled, at trace
+time: a guard of the graph):
 
 - ``"defer"`` (a call under ``fs.no_sync``): the backward adds this rank's unreduced gradient to
   the parameter's pending sum (the ``fshard::defer_grad`` op) and gives the parameter nothing
@@ -80,9 +81,10 @@ def _unused_op(leaf: torch.Tensor, what: str) -> None:
     """Raise if ``leaf`` has a pending sum: the compiled call that should reduce it does not."""
     if _buckets._pending_group(leaf) is not None:
         raise FshardError(
-            f"fs.no_sync kept the gradient of {what} pending, and this compiled call, the first outside "
-            f"fs.no_sync, does not use it with values that vary over a mesh axis, so it cannot reduce it: "
-            f"call this step eagerly (an eager call reduces every pending gradient)"
+            f"fs.no_sync kept the gradient of {what} pending, and this call, the first outside fs.no_sync, "
+            f"does not use it with values that vary over a mesh axis, so it cannot reduce it (it is compiled, "
+            f"or has bucket_mb=None): call this step eagerly with gradient buckets (bucket_mb, 25 MB by "
+            f"default), which reduce every pending gradient"
         )
 
 

@@ -247,6 +247,7 @@ class _ShardMapped(_static.Fixed):
             )
         leaves, treedef = optree.tree_flatten(args)
         compiling = _compile.compiling()
+        defer = None
         if compiling:  # planned at trace time, each time Dynamo traces (its guards are the cache)
             defer = _no_sync_graph.mode()  # fs.no_sync: a guard of the graph
             _compile.check_call(self.name, _counts.counting_refused())
@@ -299,11 +300,13 @@ class _ShardMapped(_static.Fixed):
         # (compiled: no buckets, also for fs.value_and_grad inside f; one all-reduce per input)
         tr.bucket_mb = self._bucket_mb if self._tracked and not compiling else 0.0
         local = [_localize(x, p, tr, mesh) for x, p in zip(leaves, plans)]
-        deferred = _defer_leaves(self.name, defer, leaves, plans, local, tr) if compiling and defer else None
         if not tr.bucket_mb and not compiling and torch.is_grad_enabled():  # (named in the casts' tags)
             tr.inputs = {
                 id(x): p.path for x, p in zip(local, plans) if type(x) is _Tensor and x.requires_grad
             }
+            # without buckets, fs.no_sync keeps the parameters' gradients pending as compiled calls do
+            defer = None if _functorch_active() else _no_sync_graph.mode()
+        deferred = _defer_leaves(self.name, defer, leaves, plans, local, tr) if defer else None
         if self._compute_dtype is not None or (
             self._bucket_mb
             and self._tracked
@@ -580,11 +583,14 @@ def _localize(x, p: _InPlan, tr, mesh):
 
 
 def _defer_leaves(name: str, mode: str, leaves, plans, local, tr) -> list:
-    """Compiled, under fs.no_sync or with gradients pending: the leaf inputs (parameters, each
-    whole in f) whose casts keep or take their pending gradients (`_no_sync_graph`)."""
+    """Compiled or without gradient buckets, under fs.no_sync or with gradients pending: the leaf
+    inputs (parameters, each whole in f) whose casts keep or take their pending gradients
+    (`_no_sync_graph`)."""
     if not torch.is_grad_enabled():
         return []
-    out, tr.inputs = [], {}
+    out = []
+    if tr.inputs is None:
+        tr.inputs = {}
     for x, p, y in zip(leaves, plans, local):
         if p.code == 2:  # an fs.Sharded input in its layout: its local block may be a parameter
             x = x.local

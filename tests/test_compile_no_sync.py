@@ -4,7 +4,8 @@
 A table over meshes (``dp=4``, also with ``compute_dtype=float32, reduce_dtype=float64``;
 ``dp=2 x tp=2`` with tensor-parallel weights beside replicated ones and an ``fs.Sharded``
 parameter) and over which calls are compiled (every micro-batch; the micro-batches under
-``fs.no_sync`` only; the last one only: one compiled function for the three): after two
+``fs.no_sync`` only; the last one only: one compiled function for the three; and eager calls
+without gradient buckets, ``bucket_mb=None``, which defer as compiled ones do): after two
 accumulation cycles the gradients equal plain torch's on the whole batch in one process, and
 eager's; the backward of a compiled call under ``fs.no_sync`` makes no all-reduce for the deferred
 parameters (gloo's own count), the call after it as many as a call with nothing pending (nothing
@@ -25,6 +26,7 @@ from tests.helpers import assert_ok, close, compile_counter
 
 WORLD = 4
 MICRO = 3  # micro-batches per accumulation cycle
+HOWS = ("all", "no_sync only", "last only", "eager, no buckets")  # which calls are compiled
 
 
 def _init():
@@ -54,7 +56,7 @@ def _reference():
     return dict(zip(p, torch.autograd.grad(total, list(p.values()))))
 
 
-def _maps(mesh_kind, world=WORLD):
+def _maps(mesh_kind, world=WORLD, bucket_mb=25.0):
     """The loss as a shard_map, the parameters (the one given as fs.Sharded in ``sharded``), and
     how to read a parameter's gradient as the global tensor."""
     import fshard as fs
@@ -78,7 +80,9 @@ def _maps(mesh_kind, world=WORLD):
             data = _model(p, x, lambda h: fs.psum(h, "tp")).mean()
             return fs.pmean(data, "dp") + 0.01 * fs.psum((p["w1"] ** 2).sum(), "tp")
 
-    f = fs.shard_map(loss, mesh=mesh, in_specs=(specs, "(dp b) d"), out_specs="", **mixed)
+    f = fs.shard_map(
+        loss, mesh=mesh, in_specs=(specs, "(dp b) d"), out_specs="", bucket_mb=bucket_mb, **mixed
+    )
     return mesh, f
 
 
@@ -137,11 +141,18 @@ def _rank_table(ref):
         for k, want in ref.items():  # (the tp-split weights are global tensors: their gradients too)
             close(errs, f"{mesh_kind} eager: grad {k} vs one process", eager[k], want)
         # one compiled function for the three ways: each graph is made once (under no_sync, with
-        # gradients pending; the plain one last) and reused however eager calls are mixed in
+        # gradients pending; the plain one last) and reused however eager calls are mixed in; and
+        # eager calls without gradient buckets (bucket_mb=None), which defer as compiled ones do
         backend, stats = compile_counter()
         c = torch.compile(f, backend=backend, fullgraph=True)
-        for how in ("all", "no_sync only", "last only"):
-            under, last = {"all": (c, c), "no_sync only": (c, f), "last only": (f, c)}[how]
+        _, f0 = _maps(mesh_kind, bucket_mb=None)
+        for how in HOWS:
+            under, last = {
+                "all": (c, c),
+                "no_sync only": (c, f),
+                "last only": (f, c),
+                "eager, no buckets": (f0, f0),
+            }[how]
             p = _params(mesh, mesh_kind)
             for rep in range(2):
                 counts: list = []
@@ -308,18 +319,18 @@ def test_compiled_no_sync_accumulates_as_eager_and_one_process():
         for mesh_kind in ("dp", "dp2xtp2", "dp mixed"):
             plain = out[(mesh_kind, "plain")]
             n_deferred = 3 if mesh_kind == "dp2xtp2" else 6  # the parameters whole in f: ln, b2, s on 2 x 2
-            for how in ("all", "no_sync only", "last only"):
+            for how in HOWS:
                 for rep in range(2):
                     counts = out[(mesh_kind, how, rep)]
                     under, last = counts[:-1], counts[-1]
-                    if how != "last only":  # compiled under no_sync: the deferred reductions are not made
+                    if how != "last only":  # under no_sync, no buckets: the deferred reductions are not made
                         assert under == [plain - n_deferred] * (MICRO - 1), (mesh_kind, how, counts)
-                    if how != "no_sync only":  # compiled, with pending gradients: as many as with none
+                    if how != "no_sync only":  # no buckets, with pending gradients: as many as with none
                         assert last == plain, (mesh_kind, how, counts)
                 assert out[(mesh_kind, "pending left", how)] == (0, False)
             # one graph under no_sync and one with gradients pending, made by the first cycle; none
             # added by the second, nor by mixing eager calls in; the plain one last
-            for how in ("all", "no_sync only", "last only"):
+            for how in HOWS:
                 assert [out[(mesh_kind, how, rep, "graphs")] for rep in range(2)] == [2, 2], (mesh_kind, how)
             assert out[(mesh_kind, "graphs")] == 3
 
@@ -339,9 +350,9 @@ def test_compiled_no_sync_errors_name_the_parameter_and_the_fix():
     for out in run_ranks(WORLD, _rank_errors, timeout=200):
         assert out["unused"] == (
             "FshardError: fs.no_sync kept the gradient of args[0]['b1'] (an input of _rank_errors.<locals>.other) "
-            "pending, and this compiled call, the first outside fs.no_sync, does not use it with values that vary "
-            "over a mesh axis, so it cannot reduce it: call this step eagerly (an eager call reduces every pending "
-            "gradient)"
+            "pending, and this call, the first outside fs.no_sync, does not use it with values that vary over a "
+            "mesh axis, so it cannot reduce it (it is compiled, or has bucket_mb=None): call this step eagerly "
+            "with gradient buckets (bucket_mb, 25 MB by default), which reduce every pending gradient"
         )
         assert out["left after eager"] == (0, False)
         for how in ("eager", "compiled"):  # (eager summed the pending sum over dp and tp: tp times too much)
