@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _buckets, _comm
+from . import _buckets, _comm, _compile
 from ._comm import untracked
 from ._errors import FshardError
 from ._mesh import AxisGroup
+from ._primitives import AllReduce, Pvary, apply
 
 __all__ = ["mode", "Deferred", "PvaryLeaf", "check_used"]
 
@@ -51,6 +52,20 @@ def _key(mesh, names: tuple) -> str:
     key = str(id(g))
     _GROUPS[key] = g
     return key
+
+
+def _accumulates(leaf: torch.Tensor) -> bool:
+    """Whether the running backward accumulates into ``leaf.grad`` (``loss.backward()``) rather than
+    returning gradients (``torch.autograd.grad``): only the former may keep a gradient pending."""
+    try:
+        with torch.enable_grad():  # (the edge of a leaf is found through a view of it)
+            node = torch.autograd.graph.get_gradient_edge(leaf).node
+    except AttributeError:  # (no edge to ask about, as in a compiled backward: taken as backward())
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # torch refuses a leaf's node while autograd.grad() runs: gradients are returned
+        return False
 
 
 @torch.library.custom_op("fshard::defer_grad", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
@@ -101,7 +116,7 @@ torch.fx.node.has_side_effect(_UNUSED)
 
 
 class PvaryLeaf(torch.autograd.Function):
-    """`Pvary` of a compiled call's leaf input ``x`` (an alias of ``leaf``) under ``mode``."""
+    """`Pvary` of a call's leaf input ``x`` (``leaf`` itself, or an alias of it) under ``mode``."""
 
     @staticmethod
     def forward(x, leaf, g, mode, key, what):
@@ -116,6 +131,13 @@ class PvaryLeaf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ct):
         (leaf,) = ctx.saved_tensors
+        # create_graph: a differentiable reduction, nothing deferred (as eager's buckets); eager, a
+        # backward that returns gradients (torch.autograd.grad) rather than accumulating them: the
+        # reduction, as outside fs.no_sync (a compiled backward cannot tell: it defers)
+        if torch.is_grad_enabled() or (
+            ctx.mode == "defer" and not _compile.compiling() and not _accumulates(leaf)
+        ):
+            return apply(AllReduce, ct, ctx.g), None, None, None, None, None
         with untracked():  # (the ops out of the tracking mode's way, as every primitive's backward)
             if ctx.mode == "defer":
                 _DEFER(leaf, ct, ctx.key, ctx.what)
@@ -129,6 +151,14 @@ class PvaryLeaf(torch.autograd.Function):
             None,
             None,
         )
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):  # (forward-mode AD: the cast, as Pvary's; nothing is kept pending)
+        return apply(Pvary, x_t, ctx.g)
+
+
+_compile.hide_jvp([PvaryLeaf])  # as the primitives': torch.compile traces Functions without a jvp
+_compile.mark_backward([PvaryLeaf])  # and their backward as backward nodes
 
 
 class Deferred:

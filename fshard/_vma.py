@@ -105,8 +105,8 @@ class Trace:
         self._mode: VmaMode | None = None
         # id(visible) -> (visible, twin, index, BoundaryState) for tensors behind a GradBoundary
         self.twins: dict = {}
-        # id(input) -> key path for inputs cast outside the gradient buckets (PvaryInput; compiled no_sync:
-        # a `_no_sync_graph.Deferred`), or None
+        # id(input) -> key path for inputs cast outside the gradient buckets (PvaryInput; under no_sync
+        # or with gradients pending: a `_no_sync_graph.Deferred`), or None
         self.inputs: dict | None = None
         self.bucket_mb = 0.0  # the shard_map's bucket size (for value_and_grad inside f)
         self.uneven = False  # some input has uneven blocks: collectives first compare their operands' shapes
@@ -293,7 +293,7 @@ def pvary(x: torch.Tensor, tr: Trace, have: int, want: int) -> torch.Tensor:
         path = tr.inputs.get(id(x)) if tr.inputs else None
         if path is None:
             out = apply(Pvary, x, g)
-        else:  # an input: its key path in the reduction's tags, or a compiled no_sync cast (`_no_sync_graph`)
+        else:  # an input: its key path in the reduction's tags, or a no_sync cast (`_no_sync_graph`)
             out = path.cast(x, g, apply, Pvary) if hasattr(path, "cast") else apply(PvaryInput, x, g, path)
     tag(out, tr, have | missing)
     tr.pvary_cache[key] = (x, out)  # holding x keeps its id unique for the call

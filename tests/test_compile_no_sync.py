@@ -302,6 +302,24 @@ def _rank_pipeline(how):
     return [t.grad for t in leaves], _pending_left()
 
 
+def _rank_returned_gradients():
+    """torch.autograd.grad (first order, and a Hessian-vector product through create_graph) of an
+    eager call without buckets under fs.no_sync: gradients returned, not accumulated, are reduced as
+    outside the block; loss.backward() in the block still keeps its gradient pending."""
+    import fshard as fs
+
+    mesh, f = _maps("dp", bucket_mb=None)
+    xs = _batches()
+    p = _params(mesh, "dp")
+    ps = list(p.values())
+    with fs.no_sync():
+        first = torch.autograd.grad(f(p, xs[0]), ps)
+        grads = torch.autograd.grad(f(p, xs[0]), ps, create_graph=True)
+        hvp = torch.autograd.grad(sum(g.sum() for g in grads), ps)
+        f(p, xs[0]).backward()
+    return first, [g.detach() for g in grads], hvp, _pending_left()
+
+
 def _raised(fn, *args) -> str:
     try:
         fn(*args)
@@ -387,3 +405,19 @@ def test_compiled_no_sync_in_a_pipeline_of_per_rank_stages():
             for k, (a, b) in enumerate(zip(got, want)):
                 close(errs, f"{how}: gradient {k} vs every backward reducing", a, b, DT)
         assert not errs, errs
+
+
+def test_gradients_returned_under_no_sync_without_buckets_are_reduced():
+    p = {k: v.clone().requires_grad_() for k, v in _init().items()}
+    ps = list(p.values())
+    x = _batches()[0]
+    grads = torch.autograd.grad(_model(p, x).mean() + 0.01 * (p["w1"] ** 2).sum(), ps, create_graph=True)
+    hvp = torch.autograd.grad(sum(g.sum() for g in grads), ps)
+    for first, got, got_hvp, left in run_ranks(WORLD, _rank_returned_gradients, timeout=100):
+        errs: list = []
+        for k, (a, b, c, w, h) in enumerate(zip(first, got, got_hvp, grads, hvp)):
+            close(errs, f"grad {k} vs one process", a, w.detach())
+            close(errs, f"create_graph grad {k} vs one process", b, w.detach())
+            close(errs, f"hvp {k} vs one process", c, h)
+        assert not errs, errs
+        assert left == (len(ps), True)  # loss.backward() kept every parameter's gradient pending
