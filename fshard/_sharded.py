@@ -37,7 +37,7 @@ class Sharded:
         True
     """
 
-    __slots__ = ("local", "mesh", "layout", "_shape", "_even", "__weakref__")
+    __slots__ = ("local", "mesh", "layout", "_shape", "__weakref__")
 
     def __init__(self, local: torch.Tensor, mesh: Mesh, spec, *, shape=None, check: bool = True):
         if not isinstance(local, torch.Tensor):
@@ -47,7 +47,6 @@ class Sharded:
         self.local = local
         self.mesh = mesh
         self._shape = None
-        self._even: torch.Size | None = None  # an even split's global shape, once eager code computed it
         # The spec is checked first, with no communication (a bad spec fails on every rank alike).
         self.layout = (
             spec
@@ -103,7 +102,7 @@ class Sharded:
         """A Sharded value from a block fshard itself computed (no checks, no communication).
         ``shape``: the global shape, needed when the blocks may be uneven."""
         self = cls.__new__(cls)
-        self.local, self.mesh, self.layout, self._shape, self._even = local, mesh, layout, shape, None
+        self.local, self.mesh, self.layout, self._shape = local, mesh, layout, shape
         return self
 
     def _like(self, local: torch.Tensor) -> Sharded:
@@ -116,13 +115,9 @@ class Sharded:
     def shape(self) -> torch.Size:
         """The global shape."""
         if (s := self._shape) is None:  # an even split: every block has the same shape
-            # (cached in _even, not _shape: a compiled call's plan guards on ``_shape is None``, and
-            # an eager call that stored it there made the next compiled call recompile; traced code
-            # neither reads nor writes the cache, whose guard would do the same)
-            if torch.compiler.is_compiling():
-                return torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
-            if (s := self._even) is None:
-                s = self._even = torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
+            # (not stored in _shape: a compiled call's plan guards on ``_shape is None``, and an eager
+            # call that stored it would make the next compiled call recompile)
+            s = torch.Size(self.layout.global_shape(self.local.shape, self.mesh.shape))
         return s
 
     @property
